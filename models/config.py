@@ -1,0 +1,62 @@
+"""megatron `TransformerConfig` extended with our attention variants' settings, validated early."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+ATTENTION_KINDS = ("standard", "dca", "chunked")
+
+
+@dataclass
+class LongContextConfig(TransformerConfig):
+    """TransformerConfig plus the long-context attention settings.
+
+    attention_kind: "standard" (causal SDPA), "dca" (Dual Chunk Attention) or "chunked"
+    (Llama-4 style local chunks; every `global_layer_interval`-th layer global without RoPE).
+    """
+
+    attention_kind: str = "standard"
+    rope_theta: float = 10000.0
+    dca_chunk_size: int = 8192
+    dca_local_size: int = 1024
+    attention_chunk_size: int = 8192
+    global_layer_interval: int = 0
+    head_wise_attn_gate: bool = False
+    head_wise_attn_gate_init_weight_scale: float = 0.1
+    head_wise_attn_gate_init_bias: float = 2.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention_kind not in ATTENTION_KINDS:
+            raise ValueError(
+                f"attention kind {self.attention_kind!r} is unknown; choose one of {ATTENTION_KINDS}"
+            )
+        if self.attention_kind == "dca":
+            self._validate_dca()
+        if self.attention_kind == "chunked":
+            self._validate_chunked()
+
+    def _validate_dca(self) -> None:
+        if self.dca_chunk_size <= 0 or self.dca_local_size <= 0:
+            raise ValueError(
+                f"dca_chunk_size ({self.dca_chunk_size}) and dca_local_size "
+                f"({self.dca_local_size}) must be positive"
+            )
+        if self.dca_chunk_size <= self.dca_local_size:
+            raise ValueError(
+                f"dca_chunk_size ({self.dca_chunk_size}) must exceed dca_local_size "
+                f"({self.dca_local_size}); the chunk length is their difference"
+            )
+        if self.apply_rope_fusion:
+            raise ValueError("apply_rope_fusion must be off with DCA: DCA applies its own RoPE")
+
+    def _validate_chunked(self) -> None:
+        if self.attention_chunk_size <= 0:
+            raise ValueError(f"chunk_size ({self.attention_chunk_size}) must be positive")
+        if self.global_layer_interval < 0:
+            raise ValueError(
+                f"global_layer_interval ({self.global_layer_interval}) must be >= 0 (0: no "
+                "global layers)"
+            )

@@ -1,0 +1,103 @@
+"""Build a megatron `GPTModel` from our typed model and attention configs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+
+from models.config import LongContextConfig
+from models.spec import block_spec, no_rope_pattern
+from trainer.config import AttentionConfig, ModelConfig
+
+
+def ffn_hidden_size(model: ModelConfig) -> int:
+    """Explicit size, else 4h (or SwiGLU's 8h/3 rounded up to a multiple of 64)."""
+    if model.ffn_hidden_size is not None:
+        return model.ffn_hidden_size
+    if model.swiglu:
+        return 64 * math.ceil(8 * model.hidden_size / 3 / 64)
+    return 4 * model.hidden_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Pad to a multiple of `divisible_by` alone, so the embedding's global shape is the same at
+    every TP size (checkpoints reshard); the padded size must then divide by tp."""
+    padded = divisible_by * math.ceil(vocab_size / divisible_by)
+    if padded % tp:
+        raise ValueError(
+            f"padded vocabulary ({padded}) must divide by tp ({tp}); raise "
+            "model.make_vocab_size_divisible_by to a multiple of tp"
+        )
+    return padded
+
+
+def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: int = 1,
+                       sequence_parallel: bool = False, bf16: bool = False,
+                       on_gpu: bool = False, recompute: str = "none") -> LongContextConfig:
+    """The megatron config for a model shape, attention variant and parallel layout."""
+    no_rope = no_rope_pattern(attention.kind, model.num_layers, attention.global_layer_interval)
+    recompute_kwargs: dict = {}
+    if recompute == "full":
+        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform",
+                                recompute_num_layers=1)
+    elif recompute == "selective":
+        recompute_kwargs = dict(recompute_granularity="selective")
+    elif recompute != "none":
+        raise ValueError(f"trainer.recompute={recompute!r}: choose none, selective or full")
+    return LongContextConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups or model.num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size(model),
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        init_method_std=model.init_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=not on_gpu,
+        # Fusions that need CUDA (jit/Triton) are on only on the GPU; apex/TE ones stay off.
+        bias_activation_fusion=on_gpu and model.swiglu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        no_rope_freq=no_rope,
+        attention_kind=attention.kind,
+        rope_theta=model.rope_theta,
+        dca_chunk_size=attention.dca_chunk_size,
+        dca_local_size=attention.dca_local_size,
+        attention_chunk_size=attention.chunk_size,
+        global_layer_interval=attention.global_layer_interval,
+        head_wise_attn_gate=attention.head_wise_attn_gate,
+        head_wise_attn_gate_init_weight_scale=attention.head_wise_attn_gate_init_weight_scale,
+        head_wise_attn_gate_init_bias=attention.head_wise_attn_gate_init_bias,
+        **recompute_kwargs,
+    )
+
+
+def build_gpt(config: LongContextConfig, vocab_size: int, max_sequence_length: int,
+              untie_embeddings: bool = False) -> GPTModel:
+    """GPTModel with RoPE and our per-layer specs; `vocab_size` is the padded size."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        share_embeddings_and_output_weights=not untie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=config.rope_theta,
+    )

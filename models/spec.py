@@ -1,0 +1,62 @@
+"""Layer specs: megatron's local GPT layer with our core attention plugged in through ModuleSpec."""
+
+from __future__ import annotations
+
+import importlib
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from models.config import LongContextConfig
+
+# attention kind -> "module:Class" of its core attention; imported lazily so each variant's
+# dependencies load only when it is used.
+CORE_ATTENTION = {
+    "standard": "models.attention.core:CausalCoreAttention",
+    "dca": "models.attention.dca_module:DCACoreAttention",
+    "chunked": "models.attention.chunked_module:ChunkedCoreAttention",
+}
+
+
+def core_attention_class(kind: str) -> type:
+    """The megatron core-attention module class registered for an attention kind."""
+    module, name = CORE_ATTENTION[kind].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
+    """megatron's local (Transformer-Engine-free) GPT layer spec with `core_attention` swapped in."""
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def is_global_layer(config: LongContextConfig, layer_number: int) -> bool:
+    """Chunked attention's interleaved global layers (1-based layer numbers N, 2N, ...)."""
+    interval = config.global_layer_interval
+    return config.attention_kind == "chunked" and interval > 0 and layer_number % interval == 0
+
+
+def block_spec(config: LongContextConfig) -> TransformerBlockSubmodules:
+    """One spec per layer, so layers may differ (chunked attention's global layers)."""
+    local = core_attention_class(config.attention_kind)
+    causal = core_attention_class("standard")
+    specs = [
+        layer_spec(config, causal if is_global_layer(config, n) else local)
+        for n in range(1, config.num_layers + 1)
+    ]
+    return TransformerBlockSubmodules(layer_specs=specs)
+
+
+def no_rope_pattern(kind: str, num_layers: int, global_layer_interval: int) -> list[int] | None:
+    """megatron's `no_rope_freq` list (1 = the layer skips RoPE).
+
+    DCA rotates q and k itself with its per-part positions, so every layer skips the standard
+    RoPE; chunked attention's global layers use no positional encoding at all (Llama 4's iRoPE).
+    """
+    if kind == "dca":
+        return [1] * num_layers
+    if kind == "chunked" and global_layer_interval > 0:
+        return [int(n % global_layer_interval == 0) for n in range(1, num_layers + 1)]
+    return None

@@ -1,0 +1,1 @@
+"""Test suite (a package so tests can share `tests.reference`)."""

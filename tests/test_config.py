@@ -1,0 +1,82 @@
+"""Config composition: defaults, the model registry, the `+attention` rule, typed errors."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from models.gpt import padded_vocab_size, transformer_config
+from tests.conftest import compose_config
+from trainer.config import check_known_keys
+
+MODELS = ["tiny", "gpt_125m", "gpt_350m", "gpt_1p3b", "llama3_8b"]
+
+
+def test_default_config_is_the_tiny_cpu_run() -> None:
+    cfg = compose_config()
+    assert cfg.model.name == "tiny"
+    assert cfg.attention.kind == "standard"
+    assert cfg.data.name == "embedded"
+    assert cfg.parallel.tp == 1
+    assert cfg.logger.wandb and cfg.logger.mode == "offline"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_registered_model_builds_a_valid_megatron_config(name: str) -> None:
+    cfg = compose_config([f"model={name}"])
+    mc = transformer_config(cfg.model, cfg.attention)
+    assert mc.num_layers == cfg.model.num_layers
+    assert mc.hidden_size == cfg.model.hidden_size
+
+
+def test_model_sizes_are_what_their_names_say() -> None:
+    def params(name: str) -> float:
+        m = compose_config([f"model={name}"]).model
+        mc = transformer_config(m, compose_config().attention)
+        h, kv = mc.hidden_size, mc.kv_channels * mc.num_query_groups
+        per_layer = h * (h + 2 * kv) + h * h + 3 * h * mc.ffn_hidden_size
+        return (mc.num_layers * per_layer + 50_000 * h) / 1e9
+
+    assert 0.10 < params("gpt_125m") < 0.16
+    assert 0.30 < params("gpt_350m") < 0.42
+    assert 1.1 < params("gpt_1p3b") < 1.5
+    assert 7.0 < params("llama3_8b") < 8.5
+
+
+def test_attention_group_needs_plus_because_it_is_not_in_defaults() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"\+attention=standard"):
+        compose_config(["attention=standard"])
+    assert compose_config(["+attention=standard"]).attention.kind == "standard"
+
+
+def test_misspelt_key_fails_at_composition() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["trainer.max_stepz=3"])
+    assert "Key 'max_stepz' not in 'TrainerConfig'" in str(err.value.__cause__)
+
+
+def test_appended_unknown_key_is_rejected_before_training() -> None:
+    cfg = compose_config(["+trainer.max_stepz=3"])  # `+` appends on purpose in Hydra
+    with pytest.raises(ValueError, match=r"unknown config keys: trainer\.max_stepz"):
+        check_known_keys(cfg)
+    check_known_keys(compose_config())
+
+
+def test_wrong_type_fails_at_composition() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["trainer.max_steps=many"])
+    assert isinstance(err.value.__cause__, ValidationError)
+
+
+def test_heads_must_divide_by_tp_with_a_clear_message() -> None:
+    cfg = compose_config(["model=gpt_125m"])  # 12 heads
+    with pytest.raises(ValueError, match=r"num_attention_heads \(12\) must be a multiple of "
+                       r"tensor_model_parallel_size \(8\)"):
+        transformer_config(cfg.model, cfg.attention, tp=8)
+
+
+def test_vocab_padding_is_independent_of_tp() -> None:
+    assert padded_vocab_size(257, 128, 1) == padded_vocab_size(257, 128, 2) == 384
+    with pytest.raises(ValueError, match="must divide by tp"):
+        padded_vocab_size(257, 128, 256)

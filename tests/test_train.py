@@ -1,0 +1,78 @@
+"""In-process training: loss falls, exact resume, crash-safe checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from tests.conftest import read_metrics
+from trainer.checkpoint import TRACKER, resolve_checkpoint
+
+
+def test_training_reduces_loss_and_writes_outputs(run_training, tmp_path: Path) -> None:
+    rows = run_training(["trainer.max_steps=30", "trainer.save_interval=30",
+                         "trainer.eval_interval=15", "trainer.lr=3e-3"])
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "memory_gb"):
+        assert key in rows[0]
+    assert "val_loss" in rows[14] and "val_loss" in rows[29]
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert resolve_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000030"
+
+
+def test_resume_reproduces_the_uninterrupted_losses_exactly(run_training, tmp_path: Path) -> None:
+    full = run_training(["trainer.max_steps=8", "trainer.save_interval=4"], name="full")
+    ckpt = tmp_path / "full" / "checkpoints" / "iter_0000004"
+    resumed = run_training(["trainer.max_steps=8", f"checkpoint.load={ckpt}"], name="resumed")
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full[4:]]
+
+
+def test_checkpoints_root_loads_the_latest_complete_one(run_training, tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=4", "trainer.save_interval=2"])
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / TRACKER).read_text().strip() == "4"
+    assert resolve_checkpoint(root) == root / "iter_0000004"
+    assert resolve_checkpoint(root / "iter_0000002") == root / "iter_0000002"
+    with pytest.raises(FileNotFoundError, match="neither a checkpoints root"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(
+        run_training, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = dist_checkpointing.save
+
+    def dies_at_step_4(state, directory, **kwargs):
+        if directory.endswith("iter_0000004.tmp"):
+            real_save(state, directory, **kwargs)  # the shards are written...
+            raise RuntimeError("killed mid-save")  # ...but the save never completes
+        return real_save(state, directory, **kwargs)
+
+    monkeypatch.setattr(dist_checkpointing, "save", dies_at_step_4)
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        run_training(["trainer.max_steps=4", "trainer.save_interval=2"], name="crash")
+    if dist.is_initialized():  # the failed run left its process group behind
+        dist.destroy_process_group()
+    root = tmp_path / "crash" / "checkpoints"
+    assert (root / "iter_0000004.tmp").is_dir() and not (root / "iter_0000004").exists()
+    assert resolve_checkpoint(root).name == "iter_0000002"
+
+    monkeypatch.setattr(dist_checkpointing, "save", real_save)
+    resumed = run_training(["trainer.max_steps=4", f"checkpoint.load={root}",
+                            f"checkpoint.dir={root}", "trainer.save_interval=2"], name="again")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert not (root / "iter_0000004.tmp").exists() and resolve_checkpoint(root).name == "iter_0000004"
+
+
+def test_checkpoint_records_what_a_resume_needs(run_training, tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
+    extra = dist_checkpointing.load_common_state_dict(
+        str(tmp_path / "run" / "checkpoints" / "iter_0000002"))["extra"]
+    assert extra["step"] == 2 and extra["consumed_samples"] == 8 and extra["tp"] == 1
+    assert "model:" in extra["config"] and "wandb_id" in extra
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 2

@@ -1,0 +1,1 @@
+"""Hydra-configured megatron-core trainer for long-context GPT models."""

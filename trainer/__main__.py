@@ -1,0 +1,62 @@
+"""`python -m trainer [overrides]`: one Hydra run (also under `torchrun --nproc-per-node N`).
+
+Under torchrun, ranks first agree on one run directory (rank 0's timestamp); only rank 0 writes
+`.hydra/`, the job log, metrics and wandb; the other ranks create no directories.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from trainer.config import register_configs
+from trainer.distributed import init_process_group, resolve_device
+
+register_configs()
+# megatron-core announces each missing optional accelerator package (apex, Transformer Engine).
+warnings.filterwarnings("ignore", message=".*(Apex is not installed|Transformer Engine and Apex)")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
+
+
+def _device_override(argv: list[str]) -> str:
+    for arg in argv:
+        if arg.startswith("trainer.device="):
+            return arg.split("=", 1)[1]
+    return "auto"
+
+
+def _agree_on_run_dir() -> None:
+    """Join the process group early and give every rank rank 0's run-directory stamp; silence
+    Hydra's outputs on the other ranks."""
+    init_process_group(resolve_device(_device_override(sys.argv[1:])))
+    stamp = [time.strftime("%Y-%m-%d/%H-%M-%S")]
+    dist.broadcast_object_list(stamp, src=0)
+    os.environ["LONGCTX_RUN_STAMP"] = stamp[0]
+    if dist.get_rank() != 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout",
+                     "hydra.job_logging.root.level=WARNING"]
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def run(cfg: DictConfig) -> None:
+    from trainer.train import train  # after Hydra: heavy imports only once the config is valid
+
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def main() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _agree_on_run_dir()
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Build a megatron indexed dataset (.bin/.idx) from text and JSONL files.
+
+    python -m trainer.build_data corpus.jsonl notes/*.txt --output-prefix data/mycorpus
+
+Train on it with `data.name=indexed data.path=data/mycorpus` (and the same `data.tokenizer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from trainer.tokenizer import load_tokenizer
+
+_BATCH_DOCS = 256  # documents per encode_batch call: enough for `tokenizers` to parallelise
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.build_data",
+        description="Tokenize text/JSONL files into a megatron indexed dataset (PREFIX.bin, "
+                    "PREFIX.idx) plus PREFIX.meta.json recording the tokenizer. Every document "
+                    "is followed by the tokenizer's end-of-document id.",
+        epilog="Files ending in .jsonl hold one JSON object per line, one document each (the "
+               "--text-key field); any other file is one UTF-8 text document. Documents are "
+               "written in the order given.")
+    parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
+                        help="text or .jsonl files")
+    parser.add_argument("--output-prefix", required=True,
+                        help="output path without extension, e.g. data/mycorpus")
+    parser.add_argument("--tokenizer", default="byte",
+                        help="'byte' (default) or a path to a `tokenizers` JSON file")
+    parser.add_argument("--text-key", default="text",
+                        help="JSONL field holding the document text (default: text)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing dataset at the output prefix")
+    return parser.parse_args(argv)
+
+
+def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
+    """Documents of one input file; advances `progress` by bytes read."""
+    if path.suffix != ".jsonl":
+        data = path.read_bytes()
+        progress.update(len(data))
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+        return
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            progress.update(len(line))
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err})") from err
+            text = record.get(text_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: no string field {text_key!r}")
+            yield text
+
+
+def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
+          text_key: str = "text", overwrite: bool = False) -> dict[str, int | str]:
+    """Write the dataset under temporary names and rename when complete; returns a summary."""
+    missing = [str(p) for p in inputs if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"input files not found: {', '.join(missing)}")
+    outputs = {ext: Path(f"{output_prefix}{ext}") for ext in (".bin", ".idx", ".meta.json")}
+    existing = [str(p) for p in outputs.values() if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"output exists: {', '.join(existing)} (pass --overwrite)")
+
+    tok = load_tokenizer(tokenizer)
+    with warnings.catch_warnings():  # megatron.core warns about optional GPU kernels on import
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    outputs[".bin"].parent.mkdir(parents=True, exist_ok=True)
+    tmp = {ext: p.with_name(f"{p.name}.tmp-{os.getpid()}") for ext, p in outputs.items()}
+    builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=dtype)
+    eod = np.array([tok.eod], dtype=dtype)
+    documents = tokens = skipped = 0
+
+    def flush(batch: list[str]) -> None:
+        nonlocal documents, tokens
+        for ids in tok.encode_arrays(batch):
+            builder.add_item(torch.from_numpy(np.concatenate([ids, eod]).astype(dtype)))
+            builder.end_document()
+            documents += 1
+            tokens += len(ids) + 1
+        batch.clear()
+
+    try:
+        total = sum(p.stat().st_size for p in inputs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing") as progress:
+            batch: list[str] = []
+            for path in inputs:
+                for text in _documents(path, text_key, progress):
+                    if not text:
+                        skipped += 1
+                        continue
+                    batch.append(text)
+                    if len(batch) >= _BATCH_DOCS:
+                        flush(batch)
+            flush(batch)
+        builder.finalize(str(tmp[".idx"]))
+        meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eod": tok.eod,
+                "dtype": np.dtype(dtype).name, "documents": documents, "tokens": tokens}
+        tmp[".meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
+        for ext in (".bin", ".idx", ".meta.json"):  # meta last: it marks a complete dataset
+            os.replace(tmp[ext], outputs[ext])
+    finally:
+        builder.data_file.close()
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
+    return {"documents": documents, "tokens": tokens, "skipped_empty": skipped,
+            "dtype": np.dtype(dtype).name, "tokenizer": tok.name,
+            **{ext.lstrip("."): str(p) for ext, p in outputs.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parse_args(argv)
+    try:
+        summary = build(args.inputs, args.output_prefix, args.tokenizer, args.text_key,
+                        args.overwrite)
+    except (FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {summary['documents']} documents, {summary['tokens']} tokens "
+          f"({summary['dtype']}, tokenizer {summary['tokenizer']}; "
+          f"{summary['skipped_empty']} empty documents skipped)")
+    for key in ("bin", "idx", "meta.json"):
+        print(f"  {summary[key]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Typed configuration schema, registered in Hydra's ConfigStore.
+
+The YAML groups under `conf/` fill these dataclasses; Hydra validates every override against them,
+so a misspelt key or a wrong type fails at composition with Hydra's own message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape. Sizes live in `conf/model/*.yaml` (the model registry)."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: multi-head attention (one group per head)
+    ffn_hidden_size: Optional[int] = None  # None: 4h (or 8h/3 rounded to 64 with SwiGLU)
+    kv_channels: Optional[int] = None  # None: hidden_size / num_attention_heads
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    swiglu: bool = True
+    qkv_bias: bool = False
+    rope_theta: float = 10000.0
+    untie_embeddings: bool = False
+    init_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class AttentionConfig:
+    """Core attention variant. `+attention=<name>` selects one of `conf/attention/*.yaml`."""
+
+    kind: str = "standard"  # standard | dca | chunked
+    dca_chunk_size: int = 8192
+    dca_local_size: int = 1024
+    chunk_size: int = 8192
+    global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
+    head_wise_attn_gate: bool = False
+    head_wise_attn_gate_init_weight_scale: float = 0.1
+    head_wise_attn_gate_init_bias: float = 2.0
+
+
+@dataclass
+class DataConfig:
+    """Training data: the embedded corpus (no download) or a megatron indexed dataset."""
+
+    name: str = "embedded"  # embedded | indexed
+    path: Optional[str] = None  # indexed: the .bin/.idx prefix
+    tokenizer: str = "byte"  # byte | path to a `tokenizers` JSON file
+    valid_fraction: float = 0.05
+    max_documents: Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism; data parallelism takes the remaining ranks."""
+
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation, schedule and intervals."""
+
+    max_steps: int = 60
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    seq_length: int = 256
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 20
+    eval_batches: int = 2
+    save_interval: int = 20
+    recompute: str = "none"  # none | selective | full
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and which one to resume from."""
+
+    dir: str = "checkpoints"  # relative paths are inside the run directory
+    load: Optional[str] = None  # a checkpoints root (latest complete) or one iter_* directory
+    save: bool = True
+    thread_count: int = 1
+
+
+@dataclass
+class LoggerConfig:
+    """wandb tracking (rank 0 only). `logger=none` turns it off."""
+
+    wandb: bool = True
+    project: str = "longctx"
+    entity: Optional[str] = None
+    mode: str = "offline"  # the WANDB_MODE environment variable wins when set
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema; `conf/config.yaml` names `base_config` first in its defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=TrainConfig)
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Reject keys the schema lacks. Hydra's struct mode already stops `trainer.max_stepz=3`, but
+    `+trainer.max_stepz=3` appends on purpose; a training run must not ignore it silently."""
+    unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join(unknown)}; see `python -m trainer "
+                         "--cfg job` for the valid ones")
+
+
+def _unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    found = []
+    for key in node:
+        if key not in schema:
+            found.append(f"{prefix}{key}")
+        elif isinstance(node[key], DictConfig) and isinstance(schema[key], DictConfig):
+            found += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return found

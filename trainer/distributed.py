@@ -1,0 +1,114 @@
+"""Process groups, model parallelism and the model wrappers (kept apart from the model code)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module, MegatronModule
+
+from trainer.cpu_mode import enable_cpu_mode
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: global rank and world, its TP and DP coordinates."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    tp: int
+    tp_rank: int
+    dp: int
+    dp_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(choice: str) -> torch.device:
+    """`auto` picks CUDA when present; `cuda` without a GPU is an error, not a silent fallback."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+    if choice not in ("cpu", "cuda"):
+        raise ValueError(f"trainer.device={choice!r}: choose auto, cpu or cuda")
+    return torch.device(choice)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join torchrun's group, or form a group of one (megatron always needs a process group)."""
+    if dist.is_initialized():
+        return
+    if device.type == "cpu":
+        enable_cpu_mode()
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def initialize_parallel(device: torch.device, tp: int, seed: int) -> Topology:
+    """Process group, megatron's model-parallel groups and its RNG tracker seeds."""
+    init_process_group(device)
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"parallel.tp ({tp}) must divide the number of processes ({world})")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Topology(
+        device=device, rank=dist.get_rank(), world_size=world, tp=tp,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def shutdown() -> None:
+    """Tear down megatron's groups and the process group (tests run several jobs per process)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: MegatronModule, *, distributed_optimizer: bool) -> DistributedDataParallel:
+    """bf16 cast (megatron's Float16Module) when configured, then megatron's DDP with fp32 grads."""
+    if model.config.bf16:
+        model = Float16Module(model.config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return DistributedDataParallel(model.config, ddp_config, model)
+
+
+def unwrap_model(model: torch.nn.Module) -> MegatronModule:
+    """The GPTModel inside DDP / Float16Module."""
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
+    return model
+
+
+def all_reduce_mean(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Average a scalar tensor over a group (the data-parallel group for losses)."""
+    value = value.detach().clone()
+    dist.all_reduce(value, group=group)
+    return value / dist.get_world_size(group)

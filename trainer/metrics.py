@@ -1,0 +1,59 @@
+"""Run outputs on rank 0: `metrics.jsonl`, console lines and wandb."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to `metrics.jsonl` and mirrors it to wandb.
+
+    Only the main rank constructs an active logger; others get `enabled=False` and write nothing.
+    """
+
+    def __init__(self, run_dir: Path, *, enabled: bool, wandb_cfg: Any = None,
+                 config: Optional[dict] = None, wandb_id: Optional[str] = None) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb_run = None
+        if not enabled:
+            return
+        if wandb_cfg is not None and wandb_cfg.wandb:
+            self.wandb_run = _start_wandb(run_dir, wandb_cfg, config or {}, wandb_id)
+
+    @property
+    def wandb_id(self) -> Optional[str]:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def finish(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _start_wandb(run_dir: Path, cfg: Any, config: dict, run_id: Optional[str]) -> Any:
+    """Offline unless WANDB_MODE or `logger.mode` says otherwise; resumes `run_id` if given."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or cfg.mode
+    run = wandb.init(
+        project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name,
+        tags=list(cfg.tags), config=config, dir=str(run_dir), mode=mode,
+        id=run_id, resume="allow" if run_id else None,
+    )
+    log.info("wandb run %s (%s mode) in %s", run.id, mode, run_dir / "wandb")
+    return run

@@ -1,0 +1,110 @@
+"""Tokenizers: byte-level (no files needed) and HuggingFace `tokenizers` JSON files.
+
+Both expose the same small interface: `vocab_size`, `eod`, `name` (a fingerprint used to key
+on-disk caches), `encode`, `encode_batch`, `encode_arrays` and `decode`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    eod: int
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+def token_dtype(vocab_size: int) -> type[np.integer]:
+    """Smallest numpy dtype that holds every id of a vocabulary."""
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus an end-of-document id 256."""
+
+    vocab_size: int = 257
+    eod: int = 256
+    name: str = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of `text`."""
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode several texts."""
+        return [self.encode(t) for t in texts]
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode straight into uint16 arrays; far faster than lists for large corpora."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint16) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Bytes back to text; eod ids are dropped and invalid UTF-8 becomes U+FFFD."""
+        return bytes(int(i) for i in ids if int(i) != self.eod).decode("utf-8", errors="replace")
+
+
+class JsonTokenizer:
+    """A `tokenizers` JSON file (as saved by `Tokenizer.save` or shipped with HF models).
+
+    `eod` is the id of `eod_token` when the vocabulary has it. Otherwise it is a new id appended
+    after the vocabulary (`vocab_size` grows by one); no text ever encodes to that id, so the
+    separator can never be confused with content. Encoding adds no special tokens (no BOS/EOS
+    post-processing): document boundaries are the data pipeline's job.
+    """
+
+    def __init__(self, path: str | Path, eod_token: str = "<|endoftext|>") -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {self.path}")
+        self._tok = HFTokenizer.from_file(str(self.path))
+        base = self._tok.get_vocab_size(with_added_tokens=True)
+        eod = self._tok.token_to_id(eod_token)
+        self.eod: int = base if eod is None else eod
+        self.vocab_size: int = max(base, self.eod + 1)
+        digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+        self.name: str = f"json-{digest}-eod{self.eod}"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special-token post-processing."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode several texts (in parallel inside `tokenizers`)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode into arrays of the smallest dtype that fits the vocabulary."""
+        dtype = token_dtype(self.vocab_size)
+        return [np.asarray(ids, dtype=dtype) for ids in self.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids back to text; eod ids are dropped."""
+        return self._tok.decode([int(i) for i in ids if int(i) != self.eod],
+                                skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:
+    """"byte" -> ByteTokenizer; a path ending in .json -> JsonTokenizer."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.endswith(".json"):
+        return JsonTokenizer(spec)
+    raise ValueError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "
+                     "`tokenizers` JSON file ending in .json")
