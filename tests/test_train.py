@@ -76,3 +76,12 @@ def test_checkpoint_records_what_a_resume_needs(run_training, tmp_path: Path) ->
     assert extra["step"] == 2 and extra["consumed_samples"] == 8 and extra["tp"] == 1
     assert "model:" in extra["config"] and "wandb_id" in extra
     assert read_metrics(tmp_path / "run")[-1]["step"] == 2
+
+
+def test_a_fresh_run_in_a_reused_directory_keeps_old_metrics_aside(run_training,
+                                                                    tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=2", "checkpoint.save=false"])
+    rows = run_training(["trainer.max_steps=3", "checkpoint.save=false"])
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    old = list((tmp_path / "run").glob("metrics.*.jsonl"))
+    assert len(old) == 1 and len(old[0].read_text().splitlines()) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,13 +18,18 @@ class MetricsLogger:
     Only the main rank constructs an active logger; others get `enabled=False` and write nothing.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, wandb_cfg: Any = None,
+    def __init__(self, run_dir: Path, *, enabled: bool, start_step: int = 0, wandb_cfg: Any = None,
                  config: Optional[dict] = None, wandb_id: Optional[str] = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.wandb_run = None
         if not enabled:
             return
+        if start_step == 0 and self.path.exists():
+            # A fresh run in a reused run directory: keep the old rows, but not in our file.
+            old = self.path.with_name(f"metrics.{int(time.time())}.jsonl")
+            self.path.rename(old)
+            log.warning("run directory already had metrics.jsonl: moved it to %s", old.name)
         if wandb_cfg is not None and wandb_cfg.wandb:
             self.wandb_run = _start_wandb(run_dir, wandb_cfg, config or {}, wandb_id)
 

@@ -126,7 +126,7 @@ class Trainer:
         if cfg.checkpoint.load:
             wandb_id = self._resume(cfg.checkpoint.load)
         self.metrics = MetricsLogger(
-            run_dir, enabled=self.topo.is_main, wandb_cfg=cfg.logger,
+            run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
             config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
         )
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
