@@ -44,10 +44,11 @@ def test_model_sizes_are_what_their_names_say() -> None:
     assert 7.0 < params("llama3_8b") < 8.5
 
 
-def test_attention_group_needs_plus_because_it_is_not_in_defaults() -> None:
-    with pytest.raises(ConfigCompositionException, match=r"\+attention=standard"):
-        compose_config(["attention=standard"])
-    assert compose_config(["+attention=standard"]).attention.kind == "standard"
+@pytest.mark.parametrize("name", ["dca", "chunked", "standard"])
+def test_attention_group_needs_plus_because_it_is_not_in_defaults(name: str) -> None:
+    with pytest.raises(ConfigCompositionException, match=rf"\+attention={name}"):
+        compose_config([f"attention={name}"])
+    assert compose_config([f"+attention={name}"]).attention.kind == name
 
 
 def test_misspelt_key_fails_at_composition() -> None:

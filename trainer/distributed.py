@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -43,24 +42,20 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(device: torch.device) -> None:
     """Join torchrun's group, or form a group of one (megatron always needs a process group)."""
     if dist.is_initialized():
         return
     if device.type == "cpu":
         enable_cpu_mode()
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)  # torchrun's env:// rendezvous
+    else:
+        # A group of one needs no rendezvous: an in-memory store, no port to race for.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def initialize_parallel(device: torch.device, tp: int, seed: int) -> Topology:

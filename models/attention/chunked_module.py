@@ -1,0 +1,28 @@
+"""megatron core-attention module for chunked (Llama 4 style) attention.
+
+Chunked layers receive q/k already rotated by megatron's RoPE; the interleaved global layers
+(every `global_layer_interval`-th) use the standard causal module and skip RoPE
+(`no_rope_freq`), both chosen per layer in models/spec.py.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from models.attention.chunked import chunked_attention
+from models.attention.core import CoreAttention
+
+
+class ChunkedCoreAttention(CoreAttention):
+    """Causal attention within chunks of `attention_chunk_size` tokens."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
+        super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
+        self.chunk_size = config.attention_chunk_size
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        return chunked_attention(q, k, v, chunk_size=self.chunk_size,
+                                 softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
