@@ -25,12 +25,14 @@ def test_training_reduces_loss_and_writes_outputs(run_training, tmp_path: Path) 
 
 
 def test_resume_reproduces_the_uninterrupted_losses_exactly(run_training, tmp_path: Path) -> None:
-    full = run_training(["trainer.max_steps=8", "trainer.save_interval=4"], name="full")
-    ckpt = tmp_path / "full" / "checkpoints" / "iter_0000004"
-    resumed = run_training(["trainer.max_steps=8", f"checkpoint.load={ckpt}"], name="resumed")
-    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
-    assert [r["lr"] for r in resumed] == [r["lr"] for r in full[4:]]
+    # The acceptance case: resume at step 20 of a 40-step run.
+    full = run_training(["trainer.max_steps=40", "trainer.save_interval=20"], name="full")
+    ckpt = tmp_path / "full" / "checkpoints" / "iter_0000020"
+    resumed = run_training(["trainer.max_steps=40", f"checkpoint.load={ckpt}"], name="resumed")
+    assert [r["step"] for r in resumed] == list(range(21, 41))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[20:]]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full[20:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[20:]]
 
 
 def test_checkpoints_root_loads_the_latest_complete_one(run_training, tmp_path: Path) -> None:
