@@ -1,0 +1,233 @@
+"""Attention kernel benchmark: DCA and chunked attention against torch SDPA causal attention.
+
+    python -m bench.attention --seqs 8192,32768,131072 --out results.json
+
+Every variant takes q, k, v as [batch, seq, heads, head_dim] bf16 (SDPA gets [b, h, s, d]
+views of the same memory). DCA rotates q and k itself (its three query rotations are part of its
+cost); the SDPA and chunked variants get q, k as they are, i.e. their RoPE is not timed.
+
+FLOP convention: causal attention's forward is 4 * b * h * s^2 * d / 2 (two matmuls, half the
+score matrix); the backward is 2.5x the forward, so forward+backward is 3.5x. DCA does exactly
+causal attention's work and is counted the same way; chunked attention is counted by its own
+work (causal within each chunk). `vs cudnn` is cuDNN causal SDPA's time divided by the
+variant's time on the same shape. Times are medians over `--repeats` runs, each between CUDA
+events after warm-up; memory is the peak allocated during one forward+backward above the inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from models.attention import lse_attention
+from models.attention.dca import dual_chunk_attention
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Variant:
+    name: str
+    fn: Attention
+    flops_fwd: Callable[[int, int, int, int], float]  # (batch, q_heads, seq, head_dim)
+
+
+def causal_flops(b: int, h: int, s: int, d: int) -> float:
+    return 4 * b * h * s * s * d / 2
+
+
+def chunked_flops(chunk: int) -> Callable[[int, int, int, int], float]:
+    def flops(b: int, h: int, s: int, d: int) -> float:
+        full, tail = divmod(s, chunk)
+        return full * causal_flops(b, h, chunk, d) + causal_flops(b, h, tail, d)
+    return flops
+
+
+def sdpa(backend: str) -> Variant:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(kernel):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=q.shape[2] != k.shape[2])  # [b, h, s, d]
+        return out.transpose(1, 2)
+    return Variant(f"sdpa_{backend}", fn, causal_flops)
+
+
+def dca(chunk_size: int, local_size: int, name: str = "dca") -> Variant:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size)
+    return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops)
+
+
+def chunked(chunk_size: int) -> Variant | None:
+    try:
+        from models.attention.chunked import chunked_attention
+    except ImportError:
+        return None
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return chunked_attention(q, k, v, chunk_size=chunk_size)
+    return Variant(f"chunked(C={chunk_size})", fn, chunked_flops(chunk_size))
+
+
+# name -> builder(args); a builder returns None when its variant is unavailable.
+REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
+    "sdpa_cudnn": lambda a: sdpa("cudnn"),
+    "sdpa_flash": lambda a: sdpa("flash"),
+    "dca": lambda a: dca(a.dca_chunk, a.dca_local),
+    "dca_small": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca"),
+    "chunked": lambda a: chunked(a.chunked_size),
+}
+
+
+def time_ms(step: Callable[[], object], warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of each timed run of `step`, between CUDA events."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
+            args: argparse.Namespace) -> dict[str, object]:
+    q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn_like(q)
+
+    def forward() -> object:
+        return variant.fn(q, k, v)
+
+    def forward_backward() -> object:
+        return torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+
+    fwd_times = time_ms(forward, args.warmup, args.repeats)
+    fwd_bwd_times = time_ms(forward_backward, args.warmup, args.repeats)
+    fwd, fwd_bwd = statistics.median(fwd_times), statistics.median(fwd_bwd_times)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    forward_backward()
+    torch.cuda.synchronize()
+    flops = variant.flops_fwd(1, heads, seq, dim)
+    return {"variant": variant.name, "seq": seq, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": dim, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
+            "fwd_min_ms": min(fwd_times), "fwd_bwd_min_ms": min(fwd_bwd_times),
+            "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
+            "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+
+
+def markdown(rows: list[dict[str, object]]) -> str:
+    header = ("| seq | heads q/kv | variant | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
+              "fwd+bwd TFLOP/s | vs cudnn (fwd / fwd+bwd) | peak MiB |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["seq"], r["kv_heads"]): r for r in rows if r["variant"] == "sdpa_cudnn"
+            and "error" not in r}
+    for r in rows:
+        head = f"| {r['seq']} | {r['heads']}/{r['kv_heads']} | {r['variant']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error']} | | | | | |")
+            continue
+        ref = base.get((r["seq"], r["kv_heads"]))
+        ratio = (f"{ref['fwd_ms'] / r['fwd_ms']:.2f}x / {ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x"
+                 if ref else "n/a")
+        lines.append(f"{head} {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} "
+                     f"| {r['fwd_bwd_tflops']:.0f} | {ratio} | {r['peak_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+def profile(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
+            trace: str = "") -> str:
+    """Top CUDA kernels and CPU ops of one forward+backward (where the time goes)."""
+    q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn_like(q)
+    for _ in range(2):
+        torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    table = prof.key_averages()
+    return "\n".join(table.table(sort_by=key, row_limit=12, max_name_column_width=60)
+                     for key in ("self_cuda_time_total", "self_cpu_time_total"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="8192,32768,131072")
+    parser.add_argument("--variants", default=",".join(REGISTRY))
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", default="16,4", help="one row set per KV head count")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dca-chunk", type=int, default=8192)
+    parser.add_argument("--dca-local", type=int, default=1024)
+    parser.add_argument("--dca-small-chunk", type=int, default=2048)
+    parser.add_argument("--chunked-size", type=int, default=8192)
+    parser.add_argument("--profile", default="", help="variant name: print its top kernels")
+    parser.add_argument("--profile-seq", type=int, default=32768)
+    parser.add_argument("--trace", default="", help="write the profile's Chrome trace here")
+    parser.add_argument("--out", default="", help="write all rows as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.attention needs a CUDA device")
+    variants = []
+    for name in args.variants.split(","):
+        variant = REGISTRY[name](args)
+        if variant is None:
+            print(f"skipping {name}: not importable")
+        else:
+            variants.append(variant)
+    rows: list[dict[str, object]] = []
+    for seq in (int(s) for s in args.seqs.split(",")):
+        for kv in (int(h) for h in args.kv_heads.split(",")):
+            for variant in variants:
+                try:
+                    row = measure(variant, seq, args.heads, kv, args.head_dim, args)
+                except (RuntimeError, torch.OutOfMemoryError) as err:
+                    row = {"variant": variant.name, "seq": seq, "heads": args.heads,
+                           "kv_heads": kv, "error": str(err).splitlines()[0][:80]}
+                torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    table = markdown(rows)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}\n\n{table}")
+    if lse_attention.REFUSED:
+        print("\nkernel calls refused (fell back to the next backend):",
+              sorted(map(str, lse_attention.REFUSED)))
+    if args.profile:
+        chosen = next(v for v in variants if v.name.startswith(args.profile))
+        print(f"\n{chosen.name} at {args.profile_seq}, fwd+bwd:\n"
+              + profile(chosen, args.profile_seq, args.heads, args.heads, args.head_dim,
+                        args.trace))
+    if args.out:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "cudnn": torch.backends.cudnn.version(), "argv": sys.argv}
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Dual Chunk Attention (An et al. 2024, "Training-Free Long-Context Scaling"), exact for training.
+
+With chunk length L = chunk_size - local_size, a token at position p (within its document) has
+chunk index n = p div L and in-chunk offset r = p mod L. A query i meets each earlier key j in
+exactly one part (SPEC.md's table; keys are always rotated to r_j):
+
+    intra       n_j == n_i (causal)   query rotated to r_i
+    successive  n_j == n_i - 1        query rotated to min(r_i + L, C)
+    inter       n_j <= n_i - 2        query rotated to min(2L - 1, C)
+
+and one softmax spans all three. Each part runs as dense attention that also returns its
+log-sum-exp; outputs merge by LSE; the backward is the global-LSE recipe (lse_attention.py):
+every part's kernel backward gets the merged out and lse, dk/dv add up over parts, and dq/dk
+go back through the rotations (a rotation's transpose is the rotation with sin negated).
+
+Kernel calls per document of N tokens (nf = N div L full chunks, then a tail):
+  intra:      one causal call over the full chunks moved into the batch dim, one for the tail;
+  successive: one full call over chunk pairs (c, c - 1) batched, one for the tail;
+  inter:      one full call per chunk c >= 2 over keys [0, (c - 1) L) (the backward may cut
+              this staircase per key chunk instead; see _backward_document).
+Nothing is S x S on the fused (CUDA fp16/bf16) path and K/V are never repeated for GQA. The
+rotated q/k are recomputed in backward (one fused pass) rather than kept as four more saved
+activations per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
+from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
+
+INTRA, SUCCESSIVE, INTER = 0, 1, 2
+
+
+class _Call(NamedTuple):
+    """One dense kernel call within a document (row offsets relative to its start).
+
+    Queries are rows [q0, q0 + blocks * rows) viewed as `blocks` batch entries of `rows`; keys
+    likewise from k0 with `krows` per block.
+    """
+    part: int
+    q0: int
+    rows: int
+    blocks: int
+    k0: int
+    krows: int
+    causal: bool
+
+
+def _document_calls(n_tokens: int, length: int) -> tuple[list[_Call], list[_Call]]:
+    """(intra + successive calls, inter calls in chunk order) for one document."""
+    full, tail = divmod(n_tokens, length)
+    batched: list[_Call] = []
+    if full:
+        batched.append(_Call(INTRA, 0, length, full, 0, length, True))
+    if tail:
+        batched.append(_Call(INTRA, full * length, tail, 1, full * length, tail, True))
+    if full >= 2:
+        batched.append(_Call(SUCCESSIVE, length, length, full - 1, 0, length, False))
+    if tail and full >= 1:
+        batched.append(_Call(SUCCESSIVE, full * length, tail, 1, (full - 1) * length, length,
+                             False))
+    inter = [_Call(INTER, c * length, min(length, n_tokens - c * length), 1, 0, (c - 1) * length,
+                   False) for c in range(2, -(-n_tokens // length))]
+    return batched, inter
+
+
+def _blocks(x: torch.Tensor, start: int, rows: int, blocks: int) -> torch.Tensor:
+    """Rows [start, start + blocks * rows) of a contiguous [s, h, d] as [blocks, h, rows, d]."""
+    return x[start:start + blocks * rows].view(blocks, rows, *x.shape[1:]).transpose(1, 2)
+
+
+def _block_lse(lse: torch.Tensor, start: int, rows: int, blocks: int) -> torch.Tensor:
+    """Rows of a merged [h, s] lse as the contiguous [blocks, h, rows] a kernel backward wants."""
+    part = lse[:, start:start + blocks * rows]
+    return part.unflatten(1, (blocks, rows)).transpose(0, 1).contiguous()
+
+
+class _Plan:
+    """Everything both passes derive from the arguments: documents, positions, RoPE tables."""
+
+    def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
+                 mscale: float, bounds: list[int] | None) -> None:
+        batch, seq, _, head_dim = q.shape
+        self.length = chunk_size - local_size
+        if bounds is None:
+            self.docs = [(b, 0, seq) for b in range(batch)]
+        else:
+            self.docs = [(0, a, e - a) for a, e in itertools.pairwise(bounds) if e > a]
+        max_chunks = max(-(-n // self.length) for _, _, n in self.docs)
+        self.num_parts = min(3, max_chunks)  # rotations actually needed
+        self.positions = _positions(seq, chunk_size, local_size,
+                                    None if bounds is None else tuple(bounds),
+                                    q.device)[:self.num_parts]  # [parts, s]
+        table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Positions reach C itself (min(r + L, C)), so the table has C + 1 rows.
+        self.cos, self.sin = _tables(chunk_size + 1, head_dim, theta, mscale, table_dtype,
+                                     q.device)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
+        q_rot = rotate_multi(q, self.positions, self.cos, self.sin)
+        k_rot = rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
+        return q_rot, k_rot
+
+
+@functools.lru_cache(maxsize=16)
+def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ...] | None,
+               device: torch.device) -> torch.Tensor:
+    """[3, seq] int32 query positions of every token for intra, successive and inter.
+
+    Row 0 (r, the in-chunk offset) is also every key's position. Built on the CPU and cached,
+    so a layer's call launches nothing for it; positions restart at each document.
+    """
+    length = chunk_size - local_size
+    in_doc = torch.arange(seq)
+    if bounds is not None:
+        edges = torch.tensor(bounds)
+        in_doc = in_doc - edges[:-1].repeat_interleave(edges.diff())
+    r = in_doc % length
+    succ = torch.clamp(r + length, max=chunk_size)
+    inter = torch.full_like(r, min(2 * length - 1, chunk_size))
+    return torch.stack([r, succ, inter]).to(torch.int32).to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(rows: int, head_dim: int, theta: float, mscale: float, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-width [rows, d/2] cos and sin tables (cached: every layer asks for the same one)."""
+    cos, sin = rope_cos_sin(torch.arange(rows, device=device), head_dim, theta, mscale,
+                            dtype=dtype)
+    return cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
+
+
+class _DualChunkAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan,
+                scale: float) -> torch.Tensor:
+        batch, seq, heads, _ = q.shape
+        v = v.contiguous()  # chunk views need a dense token axis
+        q_rot, k_rot = plan.rotate(q, k)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [b, s, hq, d]
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)  # merged
+        length = plan.length
+        for b, start, n in plan.docs:
+            rows = slice(start, start + n)
+            qs = [q_rot[p, b, rows] for p in range(plan.num_parts)]  # each [n, hq, d]
+            ks, vs = k_rot[b, rows], v[b, rows]
+            parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            batched, inter = _document_calls(n, length)
+            inter_by_chunk = {call.q0 // length: call for call in inter}
+            for call in batched:
+                _forward_call(call, qs, ks, vs, parts, length, scale)
+            out_doc, lse_doc = out[b, rows], lse[b, :, rows]
+            # Merge chunk by chunk, right after its inter call, so partial outputs die early.
+            for chunk in range(-(-n // length)):
+                if chunk in inter_by_chunk:
+                    _forward_call(inter_by_chunk[chunk], qs, ks, vs, parts, length, scale)
+                span = slice(chunk * length, min(n, (chunk + 1) * length))
+                chunk_parts = parts.pop(chunk)
+                merge_partials([o for o, _ in chunk_parts], [lse_p for _, lse_p in chunk_parts],
+                               out_doc[span], lse_doc[:, span])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        dout = dout.contiguous()  # out's layout, as the kernel backwards require
+        q_rot, k_rot = plan.rotate(q, k)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        for b, start, n in plan.docs:
+            rows = slice(start, start + n)
+            _backward_document(
+                plan, n, ctx.scale, [q_rot[p, b, rows] for p in range(plan.num_parts)],
+                k_rot[b, rows], v[b, rows], out[b, rows], dout[b, rows], lse[b, :, rows],
+                plan.positions[:, rows], dq[b, rows], dk[b, rows], dv[b, rows])
+        return dq, dk, dv, None, None
+
+
+def _forward_call(call: _Call, qs: list[torch.Tensor], ks: torch.Tensor, vs: torch.Tensor,
+                  parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], length: int,
+                  scale: float) -> None:
+    """One part's kernel forward; its (out [rows, h, d], lse [h, rows]) per chunk into `parts`."""
+    o, lse_p = attention_forward(
+        _blocks(qs[call.part], call.q0, call.rows, call.blocks),
+        _blocks(ks, call.k0, call.krows, call.blocks),
+        _blocks(vs, call.k0, call.krows, call.blocks),
+        causal=call.causal, scale=scale)  # [blocks, h, rows, d], [blocks, h, rows]
+    for j in range(call.blocks):
+        chunk = (call.q0 + j * call.rows) // length
+        parts.setdefault(chunk, []).append((o[j].transpose(0, 1), lse_p[j]))
+
+
+def _backward_document(plan: _Plan, n: int, scale: float, qs: list[torch.Tensor],
+                       ks: torch.Tensor, vs: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                       lse: torch.Tensor, positions: torch.Tensor, dq: torch.Tensor,
+                       dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Gradients of one document ([n, h, d] views; dq, dk, dv written in place).
+
+    Every chunk's dq is R^T-summed over its (up to three) parts by one fused pass; dk and dv
+    likewise over intra, successive and inter.
+    """
+    length = plan.length
+    chunks = -(-n // length)
+    span = [slice(c * length, min(n, (c + 1) * length)) for c in range(chunks)]
+    grad_q: dict[int, list[tuple[int, torch.Tensor]]] = {}  # chunk -> [(part, [rows, h, d])]
+    grad_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # key chunk -> [(dk, dv)]
+
+    def finish_dq(chunk: int) -> None:
+        terms = grad_q.pop(chunk)
+        rotate_transpose_sum([g for _, g in terms], [positions[p, span[chunk]] for p, _ in terms],
+                             plan.cos, plan.sin, dq[span[chunk]])
+
+    def call_backward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grads = attention_backward(
+            _blocks(dout, call.q0, call.rows, call.blocks),
+            _blocks(qs[call.part], call.q0, call.rows, call.blocks),
+            _blocks(ks, call.k0, call.krows, call.blocks),
+            _blocks(vs, call.k0, call.krows, call.blocks),
+            _blocks(out, call.q0, call.rows, call.blocks),
+            _block_lse(lse, call.q0, call.rows, call.blocks),
+            causal=call.causal, scale=scale)
+        dq_c, dk_c, dv_c = (g.transpose(1, 2) for g in grads)  # [blocks, rows, h, d]
+        return dq_c, dk_c, dv_c
+
+    batched, inter = _document_calls(n, length)
+    for call in batched:
+        dq_c, dk_c, dv_c = call_backward(call)
+        for j in range(call.blocks):
+            grad_q.setdefault((call.q0 + j * call.rows) // length, []).append((call.part, dq_c[j]))
+            grad_kv.setdefault((call.k0 + j * call.krows) // length, []).append(
+                (dk_c[j], dv_c[j]))
+    for chunk in range(min(2, chunks)):
+        finish_dq(chunk)
+    # The inter region is a staircase: query chunk c sees key chunks 0 .. c-2. Cut into one call
+    # per query chunk, its dk/dv overlap on key prefixes; cut into one call per key chunk, its dq
+    # overlaps on query suffixes. Overlaps are summed in float32 (first touch copies, later
+    # calls add); cut the way that accumulates fewer bytes: dq (hq heads) or dk+dv (2 hk).
+    acc_dtype = plan.cos.dtype
+    if inter and qs[0].shape[1] >= 2 * ks.shape[1]:
+        acc_k = torch.empty(inter[-1].krows, *dk.shape[1:], dtype=acc_dtype, device=dk.device)
+        acc_v = torch.empty_like(acc_k)
+        for call in inter:
+            dq_c, dk_c, dv_c = call_backward(call)
+            grad_q[call.q0 // length].append((INTER, dq_c[0]))
+            seen = call.krows - length  # key rows earlier calls already reached
+            for acc, g in ((acc_k, dk_c[0]), (acc_v, dv_c[0])):
+                acc[:seen].add_(g[:seen])
+                acc[seen:call.krows].copy_(g[seen:])
+            finish_dq(call.q0 // length)
+        for chunk in range(chunks - 2):
+            grad_kv[chunk].append((acc_k[span[chunk]], acc_v[span[chunk]]))
+    elif inter:
+        first = 2 * length  # the first inter query row
+        acc_q = torch.empty(n - first, *dq.shape[1:], dtype=acc_dtype, device=dq.device)
+        for j in range(chunks - 2):
+            call = _Call(INTER, (j + 2) * length, n - (j + 2) * length, 1, j * length, length,
+                         False)
+            dq_c, dk_c, dv_c = call_backward(call)
+            if j == 0:
+                acc_q.copy_(dq_c[0])
+            else:
+                acc_q[call.q0 - first:].add_(dq_c[0])
+            grad_kv[j].append((dk_c[0], dv_c[0]))
+        for chunk in range(2, chunks):
+            rows = span[chunk]
+            grad_q[chunk].append((INTER, acc_q[rows.start - first:rows.stop - first]))
+            finish_dq(chunk)
+    for chunk, terms in grad_kv.items():
+        rows = span[chunk]
+        rotate_transpose_sum([t for t, _ in terms], [positions[0, rows]] * len(terms), plan.cos,
+                             plan.sin, dk[rows])
+        rotate_transpose_sum([t for _, t in terms], None, plan.cos, plan.sin, dv[rows])
+
+
+def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int,
+                         local_size: int, rope_theta: float = 10000.0, mscale: float = 1.0,
+                         softmax_scale: float | None = None,
+                         cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+    """Dual Chunk Attention with exact gradients in q, k, v.
+
+    q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], kv_heads
+    dividing q_heads (GQA); q and k *before* RoPE (rotate-half over the full head dim, cos and
+    sin times `mscale`). `softmax_scale` defaults to head_dim ** -0.5. `cu_seqlens` (batch 1):
+    cumulative document lengths from 0 to seq; positions and chunks restart at every document
+    and no query sees another document. Returns [batch, seq, q_heads, head_dim] in q's dtype.
+    """
+    _check_sizes(chunk_size, local_size, rope_theta)
+    _check_qkv(q, k, v)
+    bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    plan = _Plan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds)
+    return _DualChunkAttention.apply(q, k, v, plan, scale)
+
+
+def _check_sizes(chunk_size: int, local_size: int, rope_theta: float) -> None:
+    for name, value in (("chunk_size", chunk_size), ("local_size", local_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if chunk_size <= local_size:
+        raise ValueError(f"chunk_size ({chunk_size}) must exceed local_size ({local_size})")
+    if rope_theta <= 0:
+        raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq "
+                         "and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"kv heads ({k.shape[2]}) must divide query heads ({q.shape[2]})")
+    if q.shape[3] % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {q.shape[3]}")
+    if q.shape[1] == 0:
+        raise ValueError("sequence length must be positive")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must share dtype and device")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], batch: int,
+                      seq: int) -> list[int]:
+    if batch != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got {batch}")
+    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
+                               else cu_seqlens)]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq:
+        raise ValueError(f"cu_seqlens must run from 0 to seq ({seq}), got {bounds}")
+    if any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds

@@ -1,0 +1,39 @@
+"""megatron core-attention module for Dual Chunk Attention.
+
+The layer skips megatron's RoPE for DCA (`no_rope_freq`, set in models/gpt.py) because DCA
+rotates each query three times with its own per-part positions; q and k arrive unrotated and
+`dual_chunk_attention` applies RoPE itself, computing cos/sin for the positions it needs (up to
+chunk_size itself: the "table" always has its C + 1 rows). YaRN's mscale comes from megatron's
+own RoPE scaling config.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+
+from models.attention.core import CoreAttention
+from models.attention.dca import dual_chunk_attention
+
+
+class DCACoreAttention(CoreAttention):
+    """Dual Chunk Attention over unrotated q/k (see models/attention/dca.py)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
+        super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
+        self.chunk_size = config.dca_chunk_size
+        self.local_size = config.dca_local_size
+        self.rope_theta = config.rope_theta
+        self.mscale = _yarn_get_concentration_factor_from_config(config)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        return dual_chunk_attention(
+            q, k, v, chunk_size=self.chunk_size, local_size=self.local_size,
+            rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
+            cu_seqlens=cu_seqlens,
+        )

@@ -1,0 +1,217 @@
+"""Rotary position embeddings: megatron's default rotate-half convention over the full head dim.
+
+`rope_cos_sin` and `apply_rope` are the plain helpers. `rotate_multi` and `rotate_transpose_sum`
+serve Dual Chunk Attention, which rotates each query to several position sets: on CUDA they are
+single fused Triton passes (read x once, write every rotation; read every gradient once, write
+their sum), elsewhere plain torch. Cos and sin are scaled by `mscale` (megatron's YaRN
+convention), so logits scale by mscale^2.
+
+The transpose of a rotation R(p) (cos, sin at position p, both times mscale) is the same formula
+with sin negated: R(p)^T x = x * cos - rotate_half(x) * sin. Backward passes use exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch paths below are used instead.
+    triton = None
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                 mscale: float = 1.0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for integer `positions` [...] -> two [..., head_dim] tensors.
+
+    Both halves of the last dim repeat the same angles (rotate-half layout). Angles are computed
+    in float32, or float64 when `dtype` is float64, then scaled by `mscale` and cast to `dtype`.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    device = positions.device if device is None else device
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=compute, device=device)
+                               / head_dim)  # [d/2]
+    angles = positions.to(device=device, dtype=compute)[..., None] * inv_freq  # [..., d/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., d]
+    return (angles.cos() * mscale).to(dtype), (angles.sin() * mscale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, s, h, d] by cos, sin of shape [s, d] or [b, s, d]; returns x's dtype.
+
+    The arithmetic runs in the wider of x's and the tables' dtypes (float32 tables keep bf16
+    inputs from rounding twice).
+    """
+    cos = cos.unsqueeze(-2) if cos.dim() == 3 else cos[None, :, None, :]  # [b|1, s, 1, d]
+    sin = sin.unsqueeze(-2) if sin.dim() == 3 else sin[None, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Fused kernels on CUDA (or under Triton's CPU interpreter); float64 stays in torch."""
+    if triton is None or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _half_tables(cos_half: torch.Tensor, sin_half: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather full-width [n, d] cos/sin rows for `positions` from [P, d/2] half tables."""
+    cos = cos_half[positions]
+    sin = sin_half[positions]
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tensor,
+                 sin_half: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, s, h, d] to several position sets in one pass.
+
+    positions: [n, s] integer rows of the tables; cos_half, sin_half: [P, d/2] (first half of
+    `rope_cos_sin`'s output). Returns a contiguous [n, b, s, h, d] tensor in x's dtype, so each
+    rotation `out[i]` is itself contiguous (the layout the chunk-batched kernels view for free).
+    """
+    n = positions.shape[0]
+    b, s, h, d = x.shape
+    out = torch.empty((n, b, s, h, d), dtype=x.dtype, device=x.device)
+    if not _use_triton(x):
+        for i in range(n):
+            cos, sin = _half_tables(cos_half, sin_half, positions[i])
+            out[i] = apply_rope(x, cos, sin)
+        return out
+    pos = positions.to(torch.int32).contiguous()
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
+    block_s = max(1, 4096 // (block_h * block_d))
+    grid = (triton.cdiv(s, block_s), b)
+    _rotate_multi_kernel[grid](
+        x, out, pos, cos_half, sin_half, s, h,
+        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        out.stride(3), pos.stride(0), cos_half.stride(0),
+        NUM_OUT=n, HALF=d // 2, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=8,
+    )
+    return out
+
+
+def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor] | None,
+                         cos_half: torch.Tensor, sin_half: torch.Tensor,
+                         out: torch.Tensor) -> None:
+    """out[...] = sum_i R(positions[i])^T grads[i]: the gradient through several rotations.
+
+    grads: 1 to 3 [s, h, d] tensors (any strides with a unit last stride, any float dtype,
+    summed in float32 or float64); positions: matching contiguous [s] int32 rows of the tables,
+    or None for a plain sum; out: [s, h, d], written in place.
+    """
+    if not 1 <= len(grads) <= 3:
+        raise ValueError(f"rotate_transpose_sum takes 1 to 3 gradients, got {len(grads)}")
+    s, h, d = out.shape
+    if not _use_triton(out):
+        acc = torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device)
+        for i, g in enumerate(grads):
+            if positions is None:
+                acc += g
+            else:
+                cos, sin = _half_tables(cos_half, sin_half, positions[i])
+                acc += apply_rope(g.unsqueeze(0).to(acc.dtype), cos, -sin)[0]  # [s, h, d]
+        out.copy_(acc)
+        return
+    g = list(grads) + [grads[0]] * (3 - len(grads))  # unused slots: never read (NUM_IN)
+    p = [cos_half] if positions is None else list(positions)  # cos_half: never read
+    p = p + [p[0]] * (3 - len(p))
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
+    block_s = max(1, 4096 // (block_h * block_d))
+    _rotate_transpose_sum_kernel[(triton.cdiv(s, block_s),)](
+        g[0], g[1], g[2], p[0], p[1], p[2], cos_half, sin_half, out, s, h,
+        g[0].stride(0), g[0].stride(1), g[1].stride(0), g[1].stride(1),
+        g[2].stride(0), g[2].stride(1), out.stride(0), out.stride(1), cos_half.stride(0),
+        NUM_IN=len(grads), ROTATE=positions is not None, HALF=d // 2, BLOCK_S=block_s,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_multi_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, S, H,
+                             sxb, sxs, sxh, son, sob, sos, soh, spn, stab,
+                             NUM_OUT: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program: BLOCK_S tokens x all heads; x is read once for every rotation.
+        b = tl.program_id(1).to(tl.int64)
+        tok = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS]
+        head = tl.arange(0, BLOCK_H)
+        dim = tl.arange(0, BLOCK_D)
+        tok_ok = tok < S
+        mask = tok_ok[:, None, None] & (head < H)[None, :, None] & (dim < HALF)[None, None, :]
+        x_off = b * sxb + tok[:, None, None] * sxs + head[None, :, None] * sxh + dim[None, None, :]
+        x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [BS, BH, BD]
+        x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        o_off = b * sob + tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
+        tab_mask = tok_ok[:, None] & (dim < HALF)[None, :]
+        for i in tl.static_range(NUM_OUT):
+            pos = tl.load(pos_ptr + i * spn + tok, mask=tok_ok, other=0).to(tl.int64)
+            t_off = pos[:, None] * stab + dim[None, :]
+            c = tl.load(cos_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]  # [BS, 1, BD]
+            sn = tl.load(sin_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]
+            y1 = x1 * c - x2 * sn
+            y2 = x2 * c + x1 * sn
+            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + i * son + o_off + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _accumulate_transposed(acc1, acc2, g_ptr, sgs, sgh, pos_ptr, cos_ptr, sin_ptr, stab,
+                               tok, head, dim, mask, tab_mask, tok_ok, ROTATE: tl.constexpr,
+                               HALF: tl.constexpr):
+        # R^T g: (g1 c + g2 s, g2 c - g1 s), the rotation by the negative angle.
+        g_off = tok[:, None, None] * sgs + head[None, :, None] * sgh + dim[None, None, :]
+        g1 = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptr + g_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        if ROTATE:
+            pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
+            t_off = pos[:, None] * stab + dim[None, :]
+            c = tl.load(cos_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]
+            sn = tl.load(sin_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]
+            r1 = g1 * c + g2 * sn
+            r2 = g2 * c - g1 * sn
+        else:
+            r1 = g1
+            r2 = g2
+        return acc1 + r1, acc2 + r2
+
+    @triton.jit
+    def _rotate_transpose_sum_kernel(g0_ptr, g1_ptr, g2_ptr, p0_ptr, p1_ptr, p2_ptr,
+                                     cos_ptr, sin_ptr, out_ptr, S, H,
+                                     s0s, s0h, s1s, s1h, s2s, s2h, sos, soh, stab,
+                                     NUM_IN: tl.constexpr, ROTATE: tl.constexpr,
+                                     HALF: tl.constexpr,
+                                     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                                     BLOCK_D: tl.constexpr):
+        tok = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS]
+        head = tl.arange(0, BLOCK_H)
+        dim = tl.arange(0, BLOCK_D)
+        tok_ok = tok < S
+        mask = tok_ok[:, None, None] & (head < H)[None, :, None] & (dim < HALF)[None, None, :]
+        tab_mask = tok_ok[:, None] & (dim < HALF)[None, :]
+        acc1 = tl.zeros((BLOCK_S, BLOCK_H, BLOCK_D), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_S, BLOCK_H, BLOCK_D), dtype=tl.float32)
+        acc1, acc2 = _accumulate_transposed(acc1, acc2, g0_ptr, s0s, s0h, p0_ptr, cos_ptr,
+                                            sin_ptr, stab, tok, head, dim, mask, tab_mask,
+                                            tok_ok, ROTATE, HALF)
+        if NUM_IN > 1:
+            acc1, acc2 = _accumulate_transposed(acc1, acc2, g1_ptr, s1s, s1h, p1_ptr, cos_ptr,
+                                                sin_ptr, stab, tok, head, dim, mask, tab_mask,
+                                                tok_ok, ROTATE, HALF)
+        if NUM_IN > 2:
+            acc1, acc2 = _accumulate_transposed(acc1, acc2, g2_ptr, s2s, s2h, p2_ptr, cos_ptr,
+                                                sin_ptr, stab, tok, head, dim, mask, tab_mask,
+                                                tok_ok, ROTATE, HALF)
+        o_off = tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
+        tl.store(out_ptr + o_off, acc1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + o_off + HALF, acc2.to(out_ptr.dtype.element_ty), mask=mask)

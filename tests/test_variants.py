@@ -1,0 +1,122 @@
+"""Attention variants inside megatron's GPTModel: specs, RoPE handling, validation, TP=2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core import parallel_state
+
+from models.attention.chunked_module import ChunkedCoreAttention
+from models.attention.core import CausalCoreAttention
+from models.attention.dca_module import DCACoreAttention
+from models.gpt import build_gpt, transformer_config
+from tests.conftest import FAST, compose_config, read_metrics, run_cli
+from trainer.distributed import initialize_parallel, shutdown
+
+SEQ = 48
+
+
+@pytest.fixture
+def single_process():
+    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
+    yield
+    shutdown()
+
+
+def logits(overrides: list[str], tokens: torch.Tensor, seed: int = 7) -> torch.Tensor:
+    """Logits of a tiny model; the same seed gives the same weights for every variant."""
+    # A larger init than training's 0.02 gives peaked attention, so variants visibly differ.
+    cfg = compose_config(["model.init_std=0.2"] + overrides)
+    torch.manual_seed(seed)
+    model = build_gpt(transformer_config(cfg.model, cfg.attention), 384, SEQ).eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, positions, None)
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 257, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def test_dca_within_one_chunk_is_the_standard_rope_model(single_process, tokens) -> None:
+    # S <= L = chunk - local: DCA is plain causal RoPE attention, so DCA's own RoPE must match
+    # megatron's (rotate-half, theta) and megatron's RoPE must be skipped exactly once.
+    standard = logits([], tokens)
+    dca = logits(["+attention=dca", "attention.dca_chunk_size=64", "attention.dca_local_size=8"],
+                 tokens)
+    # fp32 noise between SDPA and DCA's own kernels: ~1e-6 of the logit scale.
+    torch.testing.assert_close(dca, standard, rtol=0, atol=1e-5 * standard.abs().max().item())
+    # Past one chunk the positions are remapped and the outputs must differ.
+    multi = logits(["+attention=dca", "attention.dca_chunk_size=16", "attention.dca_local_size=4"],
+                   tokens)
+    assert (multi - standard).abs().max() > 1e-2
+
+
+def test_chunked_with_one_chunk_is_the_standard_model(single_process, tokens) -> None:
+    standard = logits([], tokens)
+    one_chunk = logits(["+attention=chunked", "attention.chunk_size=64",
+                        "attention.global_layer_interval=0"], tokens)
+    torch.testing.assert_close(one_chunk, standard, rtol=1e-5, atol=1e-5)
+    chunks = logits(["+attention=chunked", "attention.chunk_size=16",
+                     "attention.global_layer_interval=0"], tokens)
+    assert (chunks - standard).abs().max() > 1e-2
+    # The first chunk's tokens see the same context either way.
+    torch.testing.assert_close(chunks[:, :16], standard[:, :16], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_interleaves_global_layers_without_rope(single_process) -> None:
+    cfg = compose_config(["+attention=chunked", "model.num_layers=4",
+                          "attention.global_layer_interval=2"])
+    config = transformer_config(cfg.model, cfg.attention)
+    assert config.no_rope_freq == [0, 1, 0, 1]
+    model = build_gpt(config, 384, SEQ)
+    cores = [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
+    assert cores == [ChunkedCoreAttention, CausalCoreAttention] * 2
+
+
+def test_dca_layers_skip_megatron_rope(single_process) -> None:
+    cfg = compose_config(["+attention=dca"])
+    config = transformer_config(cfg.model, cfg.attention)
+    assert config.no_rope_freq == [1] * cfg.model.num_layers
+    model = build_gpt(config, 384, SEQ)
+    assert all(isinstance(layer.self_attention.core_attention, DCACoreAttention)
+               for layer in model.decoder.layers)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["attention.dca_chunk_size=64", "attention.dca_local_size=64"],
+     r"dca_chunk_size \(64\) must exceed dca_local_size \(64\)"),
+    (["attention.dca_local_size=0"], "must be positive"),
+])
+def test_dca_config_errors_are_early_and_clear(overrides, message) -> None:
+    cfg = compose_config(["+attention=dca"] + overrides)
+    with pytest.raises(ValueError, match=message):
+        transformer_config(cfg.model, cfg.attention)
+
+
+def test_chunked_config_errors_are_early_and_clear() -> None:
+    cfg = compose_config(["+attention=chunked", "attention.chunk_size=0"])
+    with pytest.raises(ValueError, match=r"chunk_size \(0\) must be positive"):
+        transformer_config(cfg.model, cfg.attention)
+
+
+@pytest.mark.parametrize("variant", ["dca", "chunked"])
+def test_variant_trains(run_training, variant: str) -> None:
+    rows = run_training([f"+attention={variant}", "trainer.max_steps=20",
+                         "checkpoint.save=false", "attention.dca_chunk_size=40",
+                         "attention.dca_local_size=8", "attention.chunk_size=16",
+                         "attention.global_layer_interval=2"])
+    assert sum(r["loss"] for r in rows[-3:]) / 3 < 0.8 * rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_dca_at_tp2_matches_tp1(tmp_path: Path) -> None:
+    args = FAST + ["+attention=dca", "attention.dca_chunk_size=40", "attention.dca_local_size=8",
+                   "trainer.max_steps=4", "checkpoint.save=false"]
+    run_cli(args + ["hydra.run.dir=tp1"], cwd=tmp_path)
+    run_cli(args + ["hydra.run.dir=tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
+    for a, b in zip(read_metrics(tmp_path / "tp1"), read_metrics(tmp_path / "tp2")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-4)
