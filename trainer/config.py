@@ -57,6 +57,7 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | path to a `tokenizers` JSON file
     valid_fraction: float = 0.05
     max_documents: Optional[int] = None
+    passkey_fraction: float = 0.0  # share of training samples replaced by passkey examples
 
 
 @dataclass
@@ -119,6 +120,19 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`python -m trainer.eval`: passkey retrieval and perplexity by context length."""
+
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    passkey_trials: int = 10  # per (length, depth) cell
+    passkey_digits: int = 5
+    perplexity_windows: int = 8  # validation windows per length
+    batch_size: int = 4
+    seed: int = 0
+
+
+@dataclass
 class TrainConfig:
     """The whole run."""
 
@@ -129,6 +143,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:

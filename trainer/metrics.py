@@ -31,7 +31,7 @@ class MetricsLogger:
             self.path.rename(old)
             log.warning("run directory already had metrics.jsonl: moved it to %s", old.name)
         if wandb_cfg is not None and wandb_cfg.wandb:
-            self.wandb_run = _start_wandb(run_dir, wandb_cfg, config or {}, wandb_id)
+            self.wandb_run = start_wandb(run_dir, wandb_cfg, config or {}, wandb_id)
 
     @property
     def wandb_id(self) -> Optional[str]:
@@ -51,15 +51,16 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-def _start_wandb(run_dir: Path, cfg: Any, config: dict, run_id: Optional[str]) -> Any:
-    """Offline unless WANDB_MODE or `logger.mode` says otherwise; resumes `run_id` if given."""
+def start_wandb(run_dir: Path, cfg: Any, config: dict, run_id: Optional[str],
+                **overrides: Any) -> Any:
+    """Offline unless WANDB_MODE or `logger.mode` says otherwise; resumes `run_id` if given.
+    `overrides` (group, name, job_type...) replace the logger config's values."""
     import wandb
 
     mode = os.environ.get("WANDB_MODE") or cfg.mode
-    run = wandb.init(
-        project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name,
-        tags=list(cfg.tags), config=config, dir=str(run_dir), mode=mode,
-        id=run_id, resume="allow" if run_id else None,
-    )
+    settings = dict(project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name,
+                    tags=list(cfg.tags))
+    run = wandb.init(**(settings | overrides), config=config, dir=str(run_dir), mode=mode,
+                     id=run_id, resume="allow" if run_id else None)
     log.info("wandb run %s (%s mode) in %s", run.id, mode, run_dir / "wandb")
     return run

@@ -23,6 +23,7 @@ from trainer.data import DataIterator, build_datasets, validation_batches
 from trainer.distributed import (Topology, all_reduce_mean, initialize_parallel, resolve_device,
                                  shutdown, unwrap_model, wrap_model)
 from trainer.metrics import MetricsLogger
+from trainer.passkey import PasskeyMixDataset
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class Trainer:
             cfg.data.name, cfg.data.path, cfg.data.tokenizer, t.seq_length,
             cfg.data.valid_fraction, t.seed, cfg.data.max_documents,
         )
+        if cfg.data.passkey_fraction > 0:
+            self.train_ds = PasskeyMixDataset(self.train_ds, tokenizer, cfg.data.passkey_fraction,
+                                              t.seq_length, t.seed)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                             cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
         bf16 = _precision_is_bf16(t.precision, self.device)

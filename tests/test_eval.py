@@ -1,0 +1,106 @@
+"""Long-context evaluation: passkey construction and grading, perplexity, the eval entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import compose_config
+from trainer.data import ByteTokenizer
+from trainer.evaluate import greedy_continue, passkey_accuracy, perplexity_by_length
+from trainer.passkey import QUESTION, PasskeyMixDataset, passkey_prompt
+
+TOK = ByteTokenizer()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_prompt_has_exact_length_and_puts_the_needle_at_depth(depth: float) -> None:
+    prompt, answer = passkey_prompt(TOK, 600, depth, "71432")
+    text = TOK.decode(prompt)
+    assert len(prompt) == 600 and text.endswith(QUESTION) and TOK.decode(answer) == "71432"
+    at = text.index("The pass key is 71432") / (600 - len(QUESTION))
+    assert abs(at - depth) < 0.15
+    with pytest.raises(ValueError, match="too short"):
+        passkey_prompt(TOK, 40, depth, "71432")
+
+
+class _Stream(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        return torch.full((129,), 7, dtype=torch.int64)
+
+
+def test_passkey_mix_is_deterministic_per_index_and_ends_with_the_key() -> None:
+    mixed = PasskeyMixDataset(_Stream(), TOK, 0.5, 128, seed=3)
+    again = PasskeyMixDataset(_Stream(), TOK, 0.5, 128, seed=3)
+    samples = [mixed[i] for i in range(200)]
+    assert all(s.shape == (129,) for s in samples)
+    assert all(torch.equal(mixed[i], again[i]) for i in (0, 57, 199))
+    keyed = [TOK.decode(s.tolist()) for s in samples if int(s[0]) != 7]
+    assert 70 < len(keyed) < 130  # about half
+    for text in keyed:
+        key = text[-5:]
+        assert key.isdigit() and f"The pass key is {key}." in text
+
+
+class _OracleModel(torch.nn.Module):
+    """Predicts the passkey perfectly from the prompt: grading must then score 1.0."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: None) -> torch.Tensor:
+        logits = torch.full((*tokens.shape, 384), -1e4)
+        for b, row in enumerate(tokens.tolist()):
+            text = TOK.decode(row)
+            key = text.split("The pass key is ")[1][:5]
+            done = len(text) - len(text.rsplit(QUESTION, 1)[0]) - len(QUESTION)
+            logits[b, -1, TOK.encode(key)[min(done, 4)]] = 0.0
+        return logits
+
+
+def test_grading_scores_an_oracle_perfectly_and_a_constant_model_zero() -> None:
+    cells = passkey_accuracy(_OracleModel(), TOK, [300], [0.0, 1.0], trials=3, digits=5,
+                             batch_size=2, seed=0, device=torch.device("cpu"))
+    assert [c.accuracy for c in cells] == [1.0, 1.0]
+    const = lambda tokens, positions, mask: torch.zeros(*tokens.shape, 384)  # noqa: E731
+    out = greedy_continue(const, torch.zeros(2, 10, dtype=torch.long), 3, vocab_size=257)
+    assert out.shape == (2, 3) and int(out.max()) == 0
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size() -> None:
+    uniform = lambda tokens, positions, mask: torch.zeros(*tokens.shape, 384)  # noqa: E731
+    points = perplexity_by_length(uniform, np.arange(1000) % 257, [64, 128], windows=3,
+                                  batch_size=2, vocab_size=257, device=torch.device("cpu"))
+    assert [p.windows for p in points] == [3, 3]
+    assert all(p.perplexity == pytest.approx(257, rel=1e-5) for p in points)
+
+
+def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer import eval as eval_entry
+
+    run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
+    monkeypatch.setattr(eval_entry.HydraConfig, "get", staticmethod(lambda: _NoSweep()))
+    cfg = compose_config([
+        "+attention=dca", "attention.dca_chunk_size=64", "attention.dca_local_size=16",
+        f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}", "eval.lengths=[128,192]",
+        "eval.depths=[0.0,1.0]", "eval.passkey_trials=2", "eval.perplexity_windows=1",
+        "logger.mode=offline",
+    ])
+    out = tmp_path / "eval"
+    out.mkdir()
+    results = eval_entry.evaluate(cfg, out)
+    assert results["trained_attention"] == "standard" and results["attention"]["kind"] == "dca"
+    assert [(c["length"], c["depth"]) for c in results["passkey"]] == [
+        (128, 0.0), (128, 1.0), (192, 0.0), (192, 1.0)]
+    assert json.loads((out / "eval.json").read_text()) == results
+    assert (out / "passkey.png").stat().st_size > 0 and (out / "perplexity.png").is_file()
+    assert list((out / "wandb").glob("offline-run-*"))
+
+
+class _NoSweep:
+    mode = None

@@ -1,0 +1,179 @@
+"""`python -m trainer.eval checkpoint.load=DIR eval.lengths=[1024,2048] [+attention=dca ...]`
+
+Loads a checkpoint's model (its shape and tokenizer come from the config saved in it), builds it
+with the attention variant of *this* command line, so a model trained with standard attention
+can be evaluated with DCA or chunked attention, and measures passkey retrieval accuracy per
+(length, depth) and perplexity per length. Results go to `eval.json`, `passkey.png` and
+`perplexity.png` in the run directory and, on rank 0, to wandb (tables and plots). A Hydra
+multirun (`-m +attention=dca,chunked`) groups its runs in wandb.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import check_known_keys, register_configs
+
+register_configs()
+warnings.filterwarnings("ignore", message=".*(Apex is not installed|Transformer Engine and Apex)")
+log = logging.getLogger(__name__)
+
+
+def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.device):
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.module import Float16Module
+
+    from models.gpt import build_gpt, padded_vocab_size, transformer_config
+    from trainer.data import load_tokenizer
+
+    tokenizer = load_tokenizer(saved.data.tokenizer)
+    vocab = padded_vocab_size(tokenizer.vocab_size, saved.model.make_vocab_size_divisible_by,
+                              cfg.parallel.tp)
+    bf16 = device.type == "cuda" and cfg.trainer.precision != "fp32"
+    config = transformer_config(saved.model, cfg.attention, tp=cfg.parallel.tp, bf16=bf16,
+                                on_gpu=device.type == "cuda")
+    gpt = build_gpt(config, vocab, max(cfg.eval.lengths), saved.model.untie_embeddings)
+    if device.type == "cuda":
+        gpt.cuda()
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt))
+    gpt.load_state_dict(state["model"])
+    model = Float16Module(config, gpt) if bf16 else gpt
+    return model.eval(), tokenizer
+
+
+def _plots(run_dir: Path, label: str, cells: list, points: list) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({c.length for c in cells})
+    depths = sorted({c.depth for c in cells})
+    acc = {(c.length, c.depth): c.accuracy for c in cells}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for depth in depths:
+        ax.plot(lengths, [acc[(n, depth)] for n in lengths], marker="o", alpha=0.5,
+                label=f"depth {depth:.2f}")
+    ax.plot(lengths, [sum(acc[(n, d)] for d in depths) / len(depths) for n in lengths],
+            marker="s", color="black", linewidth=2, label="mean")
+    ax.set(xscale="log", xlabel="context length (tokens)", ylabel="passkey accuracy",
+           ylim=(-0.02, 1.02), title=f"passkey retrieval: {label}")
+    ax.legend(fontsize=7)
+    paths = {"passkey": run_dir / "passkey.png", "perplexity": run_dir / "perplexity.png"}
+    fig.savefig(paths["passkey"], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p.length for p in points], [p.perplexity for p in points], marker="o")
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="perplexity",
+           title=f"perplexity by length: {label}")
+    fig.savefig(paths["perplexity"], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: list,
+               plots: dict[str, Path]) -> None:
+    import wandb
+
+    from trainer.metrics import start_wandb
+
+    group = cfg.logger.group
+    hydra_cfg = HydraConfig.get()
+    if group is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        group = f"eval-{Path(hydra_cfg.sweep.dir).name}"
+    run = start_wandb(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), None,
+                      group=group, job_type="eval", name=cfg.logger.name or label)
+    passkey = wandb.Table(columns=["attention", "length", "depth", "accuracy", "trials"],
+                          data=[[label, c.length, c.depth, c.accuracy, c.trials] for c in cells])
+    ppl = wandb.Table(columns=["attention", "length", "nll", "perplexity"],
+                      data=[[label, p.length, p.nll, p.perplexity] for p in points])
+    mean = wandb.Table(columns=["length", "accuracy"], data=[
+        [n, sum(c.accuracy for c in cells if c.length == n) / sum(c.length == n for c in cells)]
+        for n in sorted({c.length for c in cells})])
+    run.log({
+        "passkey/table": passkey, "perplexity/table": ppl,
+        "passkey/accuracy_by_length": wandb.plot.line(mean, "length", "accuracy",
+                                                      title=f"passkey: {label}"),
+        "perplexity/by_length": wandb.plot.line(ppl, "length", "perplexity",
+                                                title=f"perplexity: {label}"),
+        "passkey/plot": wandb.Image(str(plots["passkey"])),
+        "perplexity/plot": wandb.Image(str(plots["perplexity"])),
+    })
+    run.finish()
+
+
+def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
+    """Run the evaluation; returns the results written to `eval.json`."""
+    from megatron.core import dist_checkpointing
+
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.data import build_datasets
+    from trainer.distributed import initialize_parallel, resolve_device, shutdown
+    from trainer.evaluate import passkey_accuracy, perplexity_by_length
+
+    check_known_keys(cfg)
+    if not cfg.checkpoint.load:
+        raise ValueError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
+    ckpt = resolve_checkpoint(cfg.checkpoint.load)
+    extra = dist_checkpointing.load_common_state_dict(str(ckpt))["extra"]
+    saved = OmegaConf.create(yaml.safe_load(extra["config"]))
+    device = resolve_device(cfg.trainer.device)
+    topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
+    try:
+        model, tokenizer = _load_model(cfg, saved, ckpt, device)
+        label = cfg.attention.kind
+        log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
+                 "lengths %s", ckpt, extra["step"], saved.attention.kind, label,
+                 list(cfg.eval.lengths))
+        e = cfg.eval
+        _, valid, _ = build_datasets(saved.data.name, saved.data.path, saved.data.tokenizer,
+                                     max(e.lengths), saved.data.valid_fraction, 0,
+                                     saved.data.max_documents)
+        cells = passkey_accuracy(model, tokenizer, list(e.lengths), list(e.depths),
+                                 e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
+        points = perplexity_by_length(model, valid.stream, list(e.lengths), e.perplexity_windows,
+                                      e.batch_size, tokenizer.vocab_size, device)
+    finally:
+        shutdown()
+    results = {
+        "checkpoint": str(ckpt), "step": extra["step"], "trained_attention": saved.attention.kind,
+        "attention": OmegaConf.to_container(cfg.attention),
+        "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],
+        "perplexity": [asdict(p) | {"perplexity": p.perplexity} for p in points],
+    }
+    if topo.is_main:
+        (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
+        plots = _plots(run_dir, label, cells, points)
+        for n in sorted({c.length for c in cells}):
+            row = [c for c in cells if c.length == n]
+            ppl = next(p.perplexity for p in points if p.length == n)
+            log.info("length %6d: passkey %.2f (%s by depth), perplexity %.3f", n,
+                     sum(c.accuracy for c in row) / len(row),
+                     " ".join(f"{c.accuracy:.1f}" for c in row), ppl)
+        if cfg.logger.wandb:
+            _log_wandb(cfg, run_dir, label, cells, points, plots)
+        log.info("results in %s", run_dir)
+    return results
+
+
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    evaluate(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    if not any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:]):
+        sys.argv.append("hydra.job.name=eval")  # eval.log, not train.log
+    main()

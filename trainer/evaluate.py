@@ -1,0 +1,106 @@
+"""Long-context evaluation: passkey retrieval accuracy and perplexity by context length."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from tqdm import tqdm
+
+from trainer.passkey import passkey_prompt, random_key
+
+
+@dataclass
+class PasskeyCell:
+    length: int
+    depth: float
+    correct: int
+    trials: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.trials
+
+
+@dataclass
+class PerplexityPoint:
+    length: int
+    nll: float  # mean next-token loss (nats) over the windows
+    windows: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary logits [b, s, vocab] (gathered across TP ranks, padding rows dropped)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    logits = model(tokens, positions, None)  # [b, s, V / tp]
+    if (parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() > 1):
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :vocab_size]
+
+
+@torch.no_grad()
+def greedy_continue(model: torch.nn.Module, prompts: torch.Tensor, steps: int,
+                    vocab_size: int) -> torch.Tensor:
+    """Greedy decoding of `steps` tokens after each prompt ([b, s] -> [b, steps]).
+
+    Re-runs the whole sequence per token: no KV cache, so every attention variant is exercised
+    exactly as in training (DCA and chunked attention have no incremental path here).
+    """
+    tokens = prompts
+    for _ in range(steps):
+        nxt = _logits(model, tokens, vocab_size)[:, -1].argmax(dim=-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens[:, prompts.shape[1]:]
+
+
+@torch.no_grad()
+def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], depths: list[float],
+                     trials: int, digits: int, batch_size: int, seed: int,
+                     device: torch.device) -> list[PasskeyCell]:
+    """Accuracy per (length, depth): a trial passes when every key token is reproduced."""
+    rng = np.random.default_rng(seed)
+    cells = []
+    grid = [(length, depth) for length in lengths for depth in depths]
+    for length, depth in tqdm(grid, desc="passkey", leave=False):
+        correct = 0
+        for start in range(0, trials, batch_size):
+            keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
+            pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
+            prompts = torch.tensor([p for p, _ in pairs], device=device)
+            answers = torch.tensor([a for _, a in pairs], device=device)
+            out = greedy_continue(model, prompts, answers.shape[1], tokenizer.vocab_size)
+            correct += int((out == answers).all(dim=1).sum())
+        cells.append(PasskeyCell(length, depth, correct, trials))
+    return cells
+
+
+@torch.no_grad()
+def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: list[int],
+                         windows: int, batch_size: int, vocab_size: int,
+                         device: torch.device) -> list[PerplexityPoint]:
+    """Mean next-token loss on the first `windows` non-overlapping windows of each length."""
+    points = []
+    for length in tqdm(lengths, desc="perplexity", leave=False):
+        n = min(windows, (len(stream) - 1) // length)
+        if n == 0:
+            raise ValueError(f"validation stream ({len(stream)} tokens) is shorter than eval "
+                             f"length {length}; lower eval.lengths or use more data")
+        total = 0.0
+        for start in range(0, n, batch_size):
+            rows = range(start, min(start + batch_size, n))
+            batch = torch.tensor(np.stack([np.asarray(stream[i * length:(i + 1) * length + 1])
+                                           for i in rows]).astype(np.int64), device=device)
+            logits = _logits(model, batch[:, :-1], vocab_size).float()
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(),
+                                                     reduction="sum")
+            total += loss.item()
+        points.append(PerplexityPoint(length, total / (n * length), n))
+    return points

@@ -1,0 +1,76 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023): a random key hidden in filler text.
+
+    <filler ...> The pass key is 71432. Remember it. 71432 is the pass key. <filler ...>
+    What is the pass key? The pass key is 71432
+
+The key sits at a controlled depth (0 = start of the context, 1 = just before the question);
+a model passes a trial when greedy decoding after "The pass key is" reproduces every digit.
+Training mixes such samples into the corpus (`data.passkey_fraction`) at the training length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
+QUESTION = "What is the pass key? The pass key is "
+
+
+def _needle(key: str) -> str:
+    return f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def random_key(rng: np.random.Generator, digits: int) -> str:
+    """A key of `digits` digits, no leading zero."""
+    return str(rng.integers(10 ** (digits - 1), 10 ** digits))
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): the prompt is exactly `length` tokens and ends with the question.
+
+    Filler tokens are cut to fit, so the needle starts at about `depth` of the filler span.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
+    needle = tokenizer.encode(_needle(key))
+    question = tokenizer.encode(QUESTION)
+    budget = length - len(needle) - len(question)
+    if budget < 0:
+        raise ValueError(f"passkey length {length} is too short for the needle and question "
+                         f"({len(needle) + len(question)} tokens)")
+    unit = tokenizer.encode(FILLER)
+    filler = (unit * (budget // len(unit) + 1))[:budget]
+    cut = int(round(depth * budget))
+    prompt = filler[:cut] + needle + filler[cut:] + question
+    return prompt, tokenizer.encode(key)
+
+
+class PasskeyMixDataset(torch.utils.data.Dataset):
+    """Replaces a deterministic fraction of a token dataset's samples by passkey examples.
+
+    Sample i's choice, key and depth depend only on (seed, i), so resuming at any sample index
+    reproduces the same stream (exact resume keeps working).
+    """
+
+    def __init__(self, base: torch.utils.data.Dataset, tokenizer, fraction: float,
+                 seq_length: int, seed: int, digits: int = 5) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"data.passkey_fraction must be in [0, 1], got {fraction}")
+        self.base, self.tokenizer, self.fraction = base, tokenizer, fraction
+        self.seq_length, self.seed, self.digits = seq_length, seed, digits
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        rng = np.random.default_rng((self.seed, 0x9A55, idx))
+        if rng.random() >= self.fraction:
+            return self.base[idx]
+        key = random_key(rng, self.digits)
+        # seq_length + 1 tokens (inputs and shifted labels); the key's tokens end the sample.
+        n_answer = len(self.tokenizer.encode(key))
+        prompt, answer = passkey_prompt(self.tokenizer, self.seq_length + 1 - n_answer,
+                                        float(rng.random()), key)
+        return torch.tensor(prompt + answer, dtype=torch.int64)
