@@ -15,6 +15,8 @@ class LongContextConfig(TransformerConfig):
 
     attention_kind: "standard" (causal SDPA), "dca" (Dual Chunk Attention) or "chunked"
     (Llama-4 style local chunks; every `global_layer_interval`-th layer global without RoPE).
+    head_wise_attn_gate: a sigmoid gate per head on the attention output, fused into linear_qkv
+    (models/attention/head_gate.py); works with every attention kind.
     """
 
     attention_kind: str = "standard"
@@ -28,6 +30,9 @@ class LongContextConfig(TransformerConfig):
     head_wise_attn_gate_init_bias: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.head_wise_attn_gate:
+            # Before megatron's own checks, so a TP size that only the gate rules out says so.
+            self._validate_head_gate()
         super().__post_init__()
         if self.attention_kind not in ATTENTION_KINDS:
             raise ValueError(
@@ -37,6 +42,27 @@ class LongContextConfig(TransformerConfig):
             self._validate_dca()
         if self.attention_kind == "chunked":
             self._validate_chunked()
+
+    def _validate_head_gate(self) -> None:
+        tp = self.tensor_model_parallel_size
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.attention_output_gate:
+            raise ValueError(
+                "head_wise_attn_gate and megatron's attention_output_gate are two output gates "
+                "fused into linear_qkv; turn one of them off"
+            )
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"head_wise_attn_gate needs num_attention_heads ({self.num_attention_heads}) "
+                f"divisible by the TP size ({tp}): each rank gates its own heads; choose a "
+                "parallel.tp that divides the head count"
+            )
+        if groups < tp or groups % tp:
+            raise ValueError(
+                f"head_wise_attn_gate needs num_query_groups ({groups}) >= the TP size ({tp}) "
+                "and divisible by it, so no query group is split across ranks; lower parallel.tp "
+                "or raise model.num_query_groups"
+            )
 
     def _validate_dca(self) -> None:
         if self.dca_chunk_size <= 0 or self.dca_local_size <= 0:

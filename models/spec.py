@@ -8,6 +8,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from models.attention.head_gate import HeadGatedSelfAttention
 from models.config import LongContextConfig
 
 # attention kind -> "module:Class" of its core attention; imported lazily so each variant's
@@ -26,9 +27,12 @@ def core_attention_class(kind: str) -> type:
 
 
 def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
-    """megatron's local (Transformer-Engine-free) GPT layer spec with `core_attention` swapped in."""
+    """megatron's local (Transformer-Engine-free) GPT layer spec with `core_attention` swapped in
+    (and the head-gated self-attention when the gate is on: it works with any core)."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention
+    if config.head_wise_attn_gate:
+        spec.submodules.self_attention.module = HeadGatedSelfAttention
     return spec
 
 

@@ -1,0 +1,153 @@
+"""Head-gated checkpoints reshard across TP sizes: the [QKV; Gate] factory, the naive layout that
+loads silently wrong, and a TP=2 training run resumed at TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+
+from models.attention.head_gate import HeadGatedSelfAttention
+from models.gpt import build_gpt, transformer_config
+from tests.conftest import FAST, read_metrics, run_cli
+from tests.test_head_gate import single_process, spawn  # noqa: F401 (a fixture)
+from trainer.config import AttentionConfig, ModelConfig
+from trainer.distributed import initialize_parallel
+
+VOCAB, SEQ = 128, 16
+SHAPES = {  # both allow TP=4: heads and query groups divide by 4
+    "mha": dict(hidden_size=32, num_attention_heads=4, num_query_groups=None),
+    "gqa": dict(hidden_size=64, num_attention_heads=8, num_query_groups=4),
+}
+PAIRS = [(1, 2), (2, 1), (2, 4)]  # (save TP, load TP)
+CASES = [(shape, bias, save, load) for shape in SHAPES for bias in (False, True)
+         for save, load in PAIRS]
+
+
+def case_id(shape: str, bias: bool, save: int, load: int) -> str:
+    return f"{shape}-{'bias' if bias else 'nobias'}-tp{save}-to-tp{load}"
+
+
+def tiny_gpt(shape: str, bias: bool, tp: int, seed: int) -> GPTModel:
+    model = ModelConfig(num_layers=2, ffn_hidden_size=64, qkv_bias=bias, init_std=0.2,
+                        **SHAPES[shape])
+    config = transformer_config(model, AttentionConfig(head_wise_attn_gate=True), tp=tp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return build_gpt(config, VOCAB, SEQ).eval()
+
+
+def full_logits(model: GPTModel) -> torch.Tensor:
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(SEQ).expand_as(tokens), None)  # [b, s, V / tp]
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)  # [b, s, V]
+
+
+def use_tp(tp: int) -> None:
+    parallel_state.destroy_model_parallel()
+    initialize_parallel(torch.device("cpu"), tp=tp, seed=0)
+
+
+def _save_or_load(name: str, shape: str, bias: bool, tp: int, root: Path,
+                  before: dict[str, torch.Tensor], errors: dict[str, float]) -> None:
+    """Save the case's model at its save TP; load it into a differently seeded model at its
+    load TP and record the relative logit error."""
+    ckpt = root / name
+    if name not in before:
+        if dist.get_rank() == 0:
+            ckpt.mkdir()
+        dist.barrier()
+        model = tiny_gpt(shape, bias, tp, seed=1)
+        before[name] = full_logits(model)
+        dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
+    else:
+        model = tiny_gpt(shape, bias, tp, seed=2)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt)))
+        after = full_logits(model)
+        errors[name] = ((after - before[name]).abs().max() / before[name].abs().max()).item()
+
+
+def _reshard_every_case(root: str) -> None:
+    """Every case with the factory, and with megatron's plain TP split of the fused tensor."""
+    # A few TP changes in all (megatron never frees the gloo groups of a past TP size): each
+    # case is saved at its save TP before it is loaded at its load TP.
+    naive = mock.patch.object(HeadGatedSelfAttention, "sharded_state_dict",
+                              MegatronModule.sharded_state_dict)
+    before: dict[str, torch.Tensor] = {}
+    errors: dict[str, float] = {}
+    for tp in (1, 2, 4, 1):
+        use_tp(tp)
+        for shape, bias, save, load in CASES:
+            if tp not in (save, load):
+                continue
+            for layout in ("factory", "naive"):
+                name = f"{case_id(shape, bias, save, load)}-{layout}"
+                if (tp == save) == (name not in before):  # its save, or its load, is due
+                    with naive if layout == "naive" else nullcontext():
+                        _save_or_load(name, shape, bias, tp, Path(root), before, errors)
+    if dist.get_rank() == 0:
+        (Path(root) / "errors.json").write_text(json.dumps(errors))
+
+
+@pytest.fixture(scope="module")
+def reshard_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """Every case's relative logit error after loading, from one 4-process gloo job."""
+    root = tmp_path_factory.mktemp("reshard")
+    spawn(_reshard_every_case, str(root), world=4, tp=1)
+    return json.loads((root / "errors.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[case_id(*c) for c in CASES])
+def test_logits_survive_resharding_and_the_naive_layout_does_not(
+        reshard_errors: dict[str, float], case: tuple) -> None:
+    name = case_id(*case)
+    assert reshard_errors[f"{name}-factory"] < 1e-5
+    # The same test fails without the factory: gate rows load onto K/V rows (and back).
+    assert reshard_errors[f"{name}-naive"] > 1e-2
+
+
+def test_factory_stores_qkv_and_gate_and_rebuilds_for_optimizer_state(single_process) -> None:
+    model = tiny_gpt("gqa", True, tp=1, seed=0)
+    state = model.sharded_state_dict()
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    factory = state[key.replace("layers.", "layers.0.")]
+    assert isinstance(factory, ShardedTensorFactory) and factory.key == key
+    # megatron swaps in the optimizer's tensor and key; the build must follow them alone.
+    exp_avg = torch.randn_like(factory.data)
+    qkv, gate = make_sharded_optimizer_tensor(factory, exp_avg, "optimizer.state.exp_avg").build()
+    assert qkv.key == f"optimizer.state.exp_avg.{key}._qkv"
+    assert gate.key == f"optimizer.state.exp_avg.{key}._gate"
+    rows = (8 + 2 * 4) * 8  # (heads + 2 groups) * head dim
+    assert qkv.global_shape == (2, rows, 64) and gate.global_shape == (2, 8, 64)  # [layers, ...]
+    assert torch.equal(qkv.data, exp_avg[:rows]) and torch.equal(gate.data, exp_avg[rows:])
+    assert torch.equal(factory.merge_fn([qkv.data, gate.data]), exp_avg)
+
+
+@pytest.mark.slow
+def test_tp2_gated_checkpoint_resumes_at_tp1_and_tp2_with_the_same_losses(tmp_path: Path) -> None:
+    common = FAST + ["+attention=head_gate", "model.qkv_bias=true", "trainer.max_steps=6",
+                     "trainer.save_interval=3"]
+    run_cli(common + ["hydra.run.dir=tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
+    tp2 = read_metrics(tmp_path / "tp2")
+    # Model and optimizer state reshard: steps 5 and 6 use the resumed Adam moments.
+    ckpt = tmp_path / "tp2" / "checkpoints" / "iter_0000003"
+    resume = common + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
+    run_cli(resume + ["hydra.run.dir=at_tp1"], cwd=tmp_path)
+    run_cli(resume + ["hydra.run.dir=at_tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
+    at_tp1, at_tp2 = read_metrics(tmp_path / "at_tp1"), read_metrics(tmp_path / "at_tp2")
+    assert [r["step"] for r in at_tp1] == [4, 5, 6]
+    assert [r["loss"] for r in at_tp2] == [r["loss"] for r in tp2[3:]]  # same TP: exact
+    for a, b in zip(at_tp1, at_tp2):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
