@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
 from trainer.config import register_configs
+from trainer.distributed import initialize_parallel, shutdown
 
 register_configs()
 
@@ -71,3 +75,50 @@ def run_cli(args: list[str], *, nproc: int = 1, cwd: Path, timeout: int = 600,
                           timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
+
+
+def assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path: Path, common: list[str]) -> None:
+    """`tp2/` holds a 6-step TP=2 run of `common` that saved at step 3: resuming that checkpoint
+    at TP=2 reproduces steps 4-6 exactly, and at TP=1 (model and optimizer state resharded)
+    within float tolerance."""
+    tp2 = read_metrics(tmp_path / "tp2")
+    ckpt = tmp_path / "tp2" / "checkpoints" / "iter_0000003"
+    resume = common + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
+    run_cli(resume + ["hydra.run.dir=at_tp1"], cwd=tmp_path)
+    run_cli(resume + ["hydra.run.dir=at_tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
+    at_tp1, at_tp2 = read_metrics(tmp_path / "at_tp1"), read_metrics(tmp_path / "at_tp2")
+    assert [r["step"] for r in at_tp1] == [4, 5, 6]
+    assert [r["loss"] for r in at_tp2] == [r["loss"] for r in tp2[3:]]  # same TP: exact
+    for a, b in zip(at_tp1, at_tp2, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
+
+
+@pytest.fixture
+def single_process():
+    """megatron's parallel state for one CPU process (tp=1), torn down afterwards."""
+    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
+    yield
+    shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int,
+            args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # few cores: one thread per process
+    initialize_parallel(torch.device("cpu"), tp=tp, seed=0)
+    try:
+        fn(*args)
+    finally:
+        shutdown()
+
+
+def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int) -> None:
+    """Run `fn(*args)` on `world` gloo processes at TP size `tp`; a failure in any raises here."""
+    mp.spawn(_worker, args=(fn, world, _free_port(), tp, args), nprocs=world)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, read_metrics, run_cli
+from tests.conftest import FAST, assert_tp2_checkpoint_resumes_at_tp1_and_tp2, read_metrics, run_cli
 from trainer.checkpoint import resolve_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -48,12 +48,4 @@ def test_tp2_matches_tp1_and_its_checkpoint_resumes_at_tp1_and_tp2(tmp_path: Pat
         ".hydra", "checkpoints", "metrics.jsonl", "train.log"]
 
     # The TP=2 checkpoint at step 3 resumes at TP=1 and at TP=2 with the same next-step losses.
-    ckpt = tmp_path / "tp2" / "checkpoints" / "iter_0000003"
-    resume = common + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
-    run_cli(resume + ["hydra.run.dir=at_tp1"], cwd=tmp_path)
-    run_cli(resume + ["hydra.run.dir=at_tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
-    at_tp1, at_tp2 = read_metrics(tmp_path / "at_tp1"), read_metrics(tmp_path / "at_tp2")
-    assert [r["step"] for r in at_tp1] == [4, 5, 6]
-    assert [r["loss"] for r in at_tp2] == [r["loss"] for r in tp2[3:]]  # same TP: exact
-    for a, b in zip(at_tp1, at_tp2):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
+    assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path, common)

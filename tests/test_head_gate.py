@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.attention import SelfAttention
@@ -21,9 +18,8 @@ from models.config import LongContextConfig
 from models.flops import training_flops_per_sequence
 from models.gpt import build_gpt, transformer_config
 from models.spec import layer_spec
-from tests.conftest import compose_config
+from tests.conftest import compose_config, spawn
 from trainer.config import AttentionConfig, ModelConfig
-from trainer.distributed import initialize_parallel, shutdown
 
 SEQ, BATCH, HIDDEN = 12, 2, 32
 
@@ -67,36 +63,6 @@ def set_gate(att: HeadGatedSelfAttention, weight: float, bias: torch.Tensor | fl
 
 def hidden_states(seed: int = 0) -> torch.Tensor:
     return torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(seed))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int,
-            args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # few cores: one thread per process
-    initialize_parallel(torch.device("cpu"), tp=tp, seed=0)
-    try:
-        fn(*args)
-    finally:
-        shutdown()
-
-
-def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int) -> None:
-    """Run `fn(*args)` on `world` gloo processes at TP size `tp`; a failure in any raises here."""
-    mp.spawn(_worker, args=(fn, world, free_port(), tp, args), nprocs=world)
-
-
-@pytest.fixture
-def single_process():
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    yield
-    shutdown()
 
 
 # ---- config ------------------------------------------------------------------------------------

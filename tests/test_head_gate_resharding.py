@@ -19,8 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.gpt import build_gpt, transformer_config
-from tests.conftest import FAST, read_metrics, run_cli
-from tests.test_head_gate import single_process, spawn  # noqa: F401 (a fixture)
+from tests.conftest import FAST, assert_tp2_checkpoint_resumes_at_tp1_and_tp2, run_cli, spawn
 from trainer.config import AttentionConfig, ModelConfig
 from trainer.distributed import initialize_parallel
 
@@ -140,14 +139,5 @@ def test_tp2_gated_checkpoint_resumes_at_tp1_and_tp2_with_the_same_losses(tmp_pa
     common = FAST + ["+attention=head_gate", "model.qkv_bias=true", "trainer.max_steps=6",
                      "trainer.save_interval=3"]
     run_cli(common + ["hydra.run.dir=tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
-    tp2 = read_metrics(tmp_path / "tp2")
     # Model and optimizer state reshard: steps 5 and 6 use the resumed Adam moments.
-    ckpt = tmp_path / "tp2" / "checkpoints" / "iter_0000003"
-    resume = common + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
-    run_cli(resume + ["hydra.run.dir=at_tp1"], cwd=tmp_path)
-    run_cli(resume + ["hydra.run.dir=at_tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
-    at_tp1, at_tp2 = read_metrics(tmp_path / "at_tp1"), read_metrics(tmp_path / "at_tp2")
-    assert [r["step"] for r in at_tp1] == [4, 5, 6]
-    assert [r["loss"] for r in at_tp2] == [r["loss"] for r in tp2[3:]]  # same TP: exact
-    for a, b in zip(at_tp1, at_tp2):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
+    assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path, common)

@@ -6,23 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron.core import parallel_state
 
 from models.attention.chunked_module import ChunkedCoreAttention
 from models.attention.core import CausalCoreAttention
 from models.attention.dca_module import DCACoreAttention
 from models.gpt import build_gpt, transformer_config
 from tests.conftest import FAST, compose_config, read_metrics, run_cli
-from trainer.distributed import initialize_parallel, shutdown
 
 SEQ = 48
-
-
-@pytest.fixture
-def single_process():
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    yield
-    shutdown()
 
 
 def logits(overrides: list[str], tokens: torch.Tensor, seed: int = 7) -> torch.Tensor:
