@@ -1,0 +1,97 @@
+"""`python -m ckpt inspect DIR`: what a checkpoint holds, from its index alone (no tensor data)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ckpt.layout import tp_layout
+from ckpt.reader import Checkpoint
+from trainer.checkpoint import resolve_checkpoint
+
+MODEL_WEIGHT = "embedding.word_embeddings.weight"
+
+
+def describe(ckpt: Checkpoint) -> dict[str, Any]:
+    """Step, run settings, TP size, tensors (global shape, dtype, bytes, TP split), sizes."""
+    cfg = ckpt.config
+    swiglu = bool(cfg.model.swiglu)
+    tensors = [
+        {"key": t.key, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+         "bytes": t.nbytes, "tp_split": tp_layout(t.key, swiglu).describe()}
+        for t in ckpt.tensors.values()
+    ]
+    objects = Counter(key.rsplit("/shard_", 1)[0] for key in ckpt.objects)
+    weights = ckpt.tensors.get(MODEL_WEIGHT)
+    return {
+        "path": str(ckpt.path),
+        "step": ckpt.step,
+        "consumed_samples": ckpt.extra.get("consumed_samples"),
+        "tp": ckpt.tp,
+        "model_only": bool(ckpt.extra.get("model_only", False)),
+        "weights_dtype": str(weights.dtype).removeprefix("torch.") if weights else None,
+        "model": OmegaConf.to_container(cfg.model),
+        "attention": OmegaConf.to_container(cfg.attention),
+        "bytes_on_disk": ckpt.bytes_on_disk(),
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "tensors": tensors,
+        "objects": dict(sorted(objects.items())),
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+             for r in [header] + rows]
+    return "\n".join(lines)
+
+
+def _settings(values: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items() if k not in ("name", "kind"))
+
+
+def print_description(d: dict[str, Any]) -> None:
+    model, attention = d["model"], d["attention"]
+    print(f"checkpoint {d['path']}")
+    print(f"  step {d['step']} (consumed samples {d['consumed_samples']}), saved at TP={d['tp']}, "
+          f"weights {d['weights_dtype']}{', model only' if d['model_only'] else ''}")
+    print(f"  on disk {human_bytes(d['bytes_on_disk'])}, tensors {human_bytes(d['tensor_bytes'])}")
+    print(f"  model {model['name']}: {_settings(model)}")
+    print(f"  attention {attention['kind']}: {_settings(attention)}")
+    rows = [[t["key"], "x".join(map(str, t["shape"])), t["dtype"], human_bytes(t["bytes"]),
+             t["tp_split"]] for t in d["tensors"]]
+    print(f"\n{len(rows)} tensors:")
+    print(format_table(rows, ["key", "global shape", "dtype", "size", "TP split"]))
+    print("\nobjects: " + ", ".join(f"{k} ({n} shards)" for k, n in d["objects"].items()))
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "inspect", help="show a checkpoint's step, settings, TP size and tensors",
+        description="Show a checkpoint's step, model and attention settings, the TP size it was "
+                    "saved at, every tensor's global shape and dtype, and bytes on disk. Reads "
+                    "only the index and common state: no tensor data is loaded.")
+    p.add_argument("dir", help="a checkpoints root (its latest checkpoint) or an iter_* directory")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    d = describe(Checkpoint(resolve_checkpoint(args.dir)))
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print_description(d)
+    return 0

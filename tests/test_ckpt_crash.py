@@ -1,0 +1,90 @@
+"""Crash safety of training saves: a run SIGKILLed mid-save, and a killed writer process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+from ckpt.__main__ import main
+from tests.conftest import FAST, compose_config, read_metrics
+from trainer.checkpoint import checkpoint_name, resolve_checkpoint
+from trainer.train import Trainer
+
+pytestmark = pytest.mark.slow
+
+# 150 MB checkpoints: a save takes long enough (~0.5 s) to be caught in the middle.
+BIG = ["model.hidden_size=512", "model.num_layers=4", "model.ffn_hidden_size=1536"]
+
+
+def save_in_progress(root: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> Path:
+    """The `iter_*.tmp` directory of a save after the first, once it holds a file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError("the run ended before a save could be interrupted:\n"
+                                 + log.read_text()[-3000:])
+        for tmp in root.glob("iter_*.tmp"):
+            if tmp.name != checkpoint_name(1) + ".tmp" and any(tmp.iterdir()):
+                return tmp
+        time.sleep(0.002)
+    raise TimeoutError(f"no save started under {root}")
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resume_works(run_training,
+                                                                          tmp_path: Path) -> None:
+    root = tmp_path / "killed" / "checkpoints"
+    args = FAST + BIG + ["trainer.max_steps=6", "trainer.save_interval=1", "hydra.run.dir=killed"]
+    # Its own session, so the kill reaches megatron's writer processes too, as a job kill would.
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
+                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        partial = save_in_progress(root, proc, log)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    step = int(partial.name.removeprefix("iter_").removesuffix(".tmp"))
+    assert partial.is_dir() and not (root / checkpoint_name(step)).exists()
+    assert resolve_checkpoint(root) == root / checkpoint_name(step - 1)
+    assert main(["verify", str(root)]) == 0
+
+    # Resume from the root (its latest complete checkpoint) and redo the interrupted step and
+    # save: same loss as the killed run logged, and the partial directory replaced.
+    logged = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed")}
+    resumed = run_training(BIG + [f"trainer.max_steps={step}", "trainer.save_interval=1",
+                                  f"checkpoint.load={root}", f"checkpoint.dir={root}"],
+                           name="resumed")
+    assert [r["step"] for r in resumed] == [step] and resumed[0]["loss"] == logged[step]
+    assert not partial.exists() and resolve_checkpoint(root) == root / checkpoint_name(step)
+
+
+def _killed(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_writer_process_fails_the_save_instead_of_hanging(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer(compose_config(FAST + [f"checkpoint.dir={tmp_path / 'ckpt'}"]), tmp_path)
+    try:
+        trainer.save()  # step 0: complete
+        # megatron writes each file in a forked process; this one dies as the OOM killer would.
+        monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(_killed))
+        trainer.step = 1
+        with pytest.raises(RuntimeError, match="killed by signal 9 while writing .*0001.tmp"):
+            trainer.save()
+    finally:
+        trainer.close()
+    root = tmp_path / "ckpt"
+    assert resolve_checkpoint(root) == root / checkpoint_name(0)
+    assert (root / (checkpoint_name(1) + ".tmp")).is_dir()
