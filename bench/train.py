@@ -1,57 +1,205 @@
-"""End-to-end training throughput: tokens/s, TFLOP/s, MFU and peak memory per (model, attention, seq).
+"""End-to-end training throughput: tokens/s, TFLOP/s, MFU, peak memory per (model, attention, seq).
 
 Each case is a real `trainer` run (same code path as `python -m trainer`) for a few steps in this
 process; figures are medians over the steps after warm-up. Out-of-memory is reported, not fatal.
 
-    python bench/train.py --models gpt_350m --attention standard dca --seqs 32768 \
-        --steps 12 --warmup 4 --out bench_train.json [--set trainer.recompute=selective ...]
+    python bench/train.py --models gpt_1p3b --attention standard dca --seqs 4096 32768 131072 \\
+        --steps 10 --warmup 4 --steps-for 131072:4:2 --set trainer.fused_norm=true \\
+        --set-for 4096 trainer.micro_batch_size=8 trainer.global_batch_size=8 \\
+        --set-for 131072 trainer.recompute=full --profile 4096 32768 --out bench_train.json
+
+Overrides: `--set` applies to every case; `--set-for KEY ...` to the cases KEY names, where KEY
+is `:`-separated parts each matching a case's model, attention, seq or variant (`131072`,
+`dca:32768`, `gpt_1p3b:dca`); later ones win per key. `--variant NAME ...` runs every case once
+per variant with its overrides on top (A/B comparisons in one run); `--skip KEY ...` leaves
+cases out. `--profile [KEY ...]`
+profiles the last step of every case (or of the matching ones) with torch.profiler, leaves it
+out of the medians, and prints where GPU time goes by kernel category, plus the top operators.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import tempfile
-from pathlib import Path
+import os
+
+# Long-context activations come in few, huge sizes; without expandable segments the caching
+# allocator fragments and a 128K step can fail with gigabytes reserved but unused.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any
 
-import torch
-from hydra import compose, initialize_config_module
+if __package__ in (None, ""):  # `python bench/train.py`: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import register_configs
-from trainer.train import train
+import torch  # noqa: E402
+from hydra import compose, initialize_config_module  # noqa: E402
+
+from trainer.config import register_configs  # noqa: E402
+from trainer.train import Trainer, train  # noqa: E402
+
+# A short run: lr warms up over all but the last step (a 1-step warm-up to 3e-4 diverges at 1.3B).
+BASE = {
+    "trainer.micro_batch_size": "1", "trainer.global_batch_size": "1",
+    "trainer.eval_interval": "0", "checkpoint.save": "false",
+    "logger": "none", "trainer.lr": "1e-4", "trainer.min_lr": "1e-5",
+}
+
+
+def merge_overrides(*groups: list[str]) -> list[str]:
+    """Hydra overrides with later groups winning per key (Hydra rejects a key given twice)."""
+    merged: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r} is not KEY=VALUE")
+            merged[key] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+def matches(key: str, case: dict[str, Any]) -> bool:
+    values = {str(case[k]) for k in ("model", "attention", "seq", "variant") if k in case}
+    return all(part in values for part in key.split(":"))
 
 
 def run_case(model: str, attention: str, seq: int, steps: int, extra: list[str],
              run_dir: Path) -> list[dict[str, Any]]:
     """Train `steps` steps of one case; returns its metrics rows."""
-    overrides = [
-        f"model={model}", f"trainer.seq_length={seq}", "trainer.micro_batch_size=1",
-        "trainer.global_batch_size=1", f"trainer.max_steps={steps}", "trainer.warmup_steps=1",
-        "trainer.eval_interval=0", "checkpoint.save=false", "logger=none", "trainer.lr=3e-4",
-        "trainer.min_lr=3e-5",
-    ]
+    base = {**BASE, "model": model, "trainer.seq_length": str(seq),
+            "trainer.max_steps": str(steps), "trainer.warmup_steps": str(max(0, steps - 1))}
+    overrides = merge_overrides([f"{k}={v}" for k, v in base.items()], extra)
     if attention != "standard":
         overrides.append(f"+attention={attention}")
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides + extra)
+        cfg = compose(config_name="config", overrides=overrides)
     train(cfg, run_dir)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    timed = rows[warmup:]
+def summarize(rows: list[dict[str, Any]], warmup: int, profiled: bool) -> dict[str, Any]:
+    timed = rows[warmup:len(rows) - int(profiled)] or rows[-1:]
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "tflops": statistics.median(r["tflops_per_gpu"] for r in timed),
         "mfu": statistics.median(r.get("mfu", float("nan")) for r in timed),
+        "step_s": statistics.median(r["step_time_s"] for r in timed),
         "memory_gb": max(r["memory_gb"] for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
         "timed_steps": len(timed),
     }
 
+
+# ---- profiling --------------------------------------------------------------------------------
+
+CATEGORIES = [  # (category, regex on the lower-cased kernel name); first match wins
+    ("attention kernels (cuDNN/flash)", r"cudnn|fmha|flash|sdpa|attention"),
+    ("DCA rotations/merges (Triton)", r"_rotate|_merge_kernel|_accumulate|rope"),
+    ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|matmul|splitk"),
+    ("optimizer (Adam, grad norm, clip)", r"adam|multi_tensor|l2norm|normtwo|normops"),
+    ("norms", r"norm"),
+    ("compiled elementwise (SwiGLU, bias-dropout-add)", r"^triton_"),
+    ("NCCL", r"nccl"),
+    ("memcpy/memset", r"^memcpy|^memset"),
+    ("other elementwise (RoPE, casts, copies, adds)", r"."),
+]
+
+
+def _category(name: str) -> str:
+    lowered = name.lower()
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return category
+    return CATEGORIES[-1][0]
+
+
+def profile_summary(prof: torch.profiler.profile, wall_ms: float) -> dict[str, Any]:
+    """GPU time by kernel category and the top operators of one profiled step."""
+    # GPU-side copies of CPU ranges (user annotations such as Optimizer.step) are no kernels.
+    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in on_gpu if not getattr(e, "is_user_annotation", False)
+               and not e.name.startswith(("Optimizer.", "ProfilerStep"))]
+    annotations = sorted({e.name for e in on_gpu} - {e.name for e in kernels})
+    by_cat: dict[str, float] = {}
+    by_kernel: dict[str, list[float]] = {}
+    spans = []
+    for e in kernels:
+        ms = e.time_range.elapsed_us() / 1e3
+        by_cat[_category(e.name)] = by_cat.get(_category(e.name), 0.0) + ms
+        entry = by_kernel.setdefault(e.name[:90], [0.0, 0])
+        entry[0] += ms
+        entry[1] += 1
+        spans.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, float("-inf")  # union of kernel intervals (streams may overlap)
+    for start, stop in sorted(spans):
+        if stop > end:
+            busy += (stop - max(start, end)) / 1e3
+            end = stop
+    ops = sorted(prof.key_averages(), key=lambda a: a.self_device_time_total, reverse=True)
+    return {
+        "wall_ms": wall_ms, "gpu_busy_ms": busy, "kernels": len(kernels),
+        "annotations_left_out": annotations[:10],
+        "categories": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [(n, round(t, 2), c) for n, (t, c) in
+                        sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]],
+        "top_ops": [(a.key, round(a.self_device_time_total / 1e3, 2), a.count)
+                    for a in ops[:15] if a.self_device_time_total > 0],
+    }
+
+
+@contextlib.contextmanager
+def profile_step(step: int, sink: list[dict[str, Any]]) -> Iterator[None]:
+    """Profile Trainer.train_step's call number `step` (1-based) of the runs inside."""
+    original = Trainer.train_step
+
+    def wrapped(self: Trainer) -> tuple[float, float]:
+        if self.step + 1 != step or not torch.cuda.is_available():
+            return original(self)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            result = original(self)
+            torch.cuda.synchronize()
+        sink.append(profile_summary(prof, (time.perf_counter() - start) * 1e3))
+        return result
+
+    Trainer.train_step = wrapped
+    try:
+        yield
+    finally:
+        Trainer.train_step = original
+
+
+def print_profile(case: dict[str, Any]) -> None:
+    prof = case["profile"]
+    busy = prof["gpu_busy_ms"]
+    # The profiler slows the host; the unprofiled median step is the honest denominator.
+    step = 1e3 * case.get("step_s", prof["wall_ms"] / 1e3)
+    print(f"\nprofile {case['model']} {case['attention']} {case['seq']} {case['variant']}: "
+          f"median step {step:.1f} ms (profiled step {prof['wall_ms']:.1f} ms), GPU busy "
+          f"{busy:.1f} ms, {prof['kernels']} kernels")
+    print("| category | GPU ms | share of step |\n| --- | --- | --- |")
+    for cat, ms in prof["categories"].items():
+        print(f"| {cat} | {ms:.1f} | {100 * ms / step:.1f}% |")
+    idle = max(0.0, step - busy)
+    print(f"| GPU idle (host, syncs, launch gaps) | {idle:.1f} | {100 * idle / step:.1f}% |")
+    print("top operators (self GPU ms, calls): " + "; ".join(
+        f"{name} {ms} ({count})" for name, ms, count in prof["top_ops"][:10]))
+
+
+# ---- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -61,43 +209,91 @@ def main() -> None:
     parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 32768])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    parser.add_argument("--steps-for", nargs="*", default=[], metavar="SEQ:STEPS:WARMUP",
+                        help="steps and warm-up for one sequence length")
     parser.add_argument("--set", nargs="*", default=[], dest="extra",
                         help="extra Hydra overrides for every case")
+    parser.add_argument("--set-for", nargs="+", action="append", default=[], metavar="KEY",
+                        help="KEY then Hydra overrides for the cases KEY matches")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME",
+                        help="NAME then Hydra overrides: run every case once per variant")
+    parser.add_argument("--skip", nargs="+", default=[], metavar="KEY",
+                        help="leave out the cases a KEY matches (parts may name a variant)")
+    parser.add_argument("--profile", nargs="*", default=None, metavar="KEY",
+                        help="profile the last step (excluded from the medians) of every case, "
+                             "or of the cases the KEYs match")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     register_configs()
+    steps_for = {}
+    for item in args.steps_for:
+        seq, steps, warmup = (int(x) for x in item.split(":"))
+        steps_for[seq] = (steps, warmup)
+    variants = [(v[0], v[1:]) for v in args.variant] or [("-", [])]
 
     results = []
     for model in args.models:
         for seq in args.seqs:
             for attention in args.attention:
-                case = {"model": model, "attention": attention, "seq": seq}
-                try:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        rows = run_case(model, attention, seq, args.steps, args.extra, Path(tmp))
-                    case.update(summarize(rows, args.warmup))
-                except torch.OutOfMemoryError:
-                    case["error"] = "OOM"
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                results.append(case)
-                print(json.dumps(case), flush=True)
+                for variant, variant_overrides in variants:
+                    case: dict[str, Any] = {"model": model, "attention": attention, "seq": seq,
+                                            "variant": variant}
+                    if any(matches(key, case) for key in args.skip):
+                        continue
+                    extra = merge_overrides(args.extra, *[o[1:] for o in args.set_for
+                                                          if matches(o[0], case)],
+                                            variant_overrides)
+                    case["overrides"] = extra
+                    steps, warmup = steps_for.get(seq, (args.steps, args.warmup))
+                    profile = args.profile is not None and (
+                        not args.profile or any(matches(key, case) for key in args.profile))
+                    profiles: list[dict[str, Any]] = []
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                    try:
+                        with tempfile.TemporaryDirectory() as tmp, \
+                                profile_step(steps if profile else 0, profiles):
+                            rows = run_case(model, attention, seq, steps, extra, Path(tmp))
+                        case.update(summarize(rows, warmup, bool(profiles)))
+                        if profiles:
+                            case["profile"] = profiles[0]
+                    except torch.OutOfMemoryError:
+                        case["error"] = "OOM"
+                    except Exception as exc:  # report and go on with the other cases
+                        traceback.print_exc()
+                        case["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    gc.collect()  # an OOM's traceback cycles hold the failed case's tensors
+                    if torch.cuda.is_available():
+                        case["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+                    results.append(case)
+                    print(json.dumps({k: v for k, v in case.items() if k != "profile"}),
+                          flush=True)
+                    if "profile" in case:
+                        print_profile(case)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{device}, torch {torch.__version__}, overrides: {' '.join(args.extra) or '-'}\n")
-    print("| model | attention | seq | tokens/s | TFLOP/s | MFU | peak GB | loss first→last |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    import megatron.core
+    cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+    print(f"\n{device}, torch {torch.__version__}, cuDNN {cudnn}, megatron-core "
+          f"{megatron.core.__version__}, overrides: {' '.join(args.extra) or '-'}\n")
+    print("| model | attention | seq | variant | tokens/s | TFLOP/s | MFU | peak GB (alloc / "
+          "reserved) | loss first→last |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
+        head = f"| {r['model']} | {r['attention']} | {r['seq']} | {r['variant']} |"
         if "error" in r:
-            print(f"| {r['model']} | {r['attention']} | {r['seq']} | {r['error']} | | | | |")
+            print(f"{head} {r['error'][:60]} | | | {r.get('reserved_gb', 0):.1f} reserved | |")
             continue
-        print(f"| {r['model']} | {r['attention']} | {r['seq']} | {r['tokens_per_s']:,.0f} | "
-              f"{r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {r['memory_gb']:.1f} | "
+        print(f"{head} {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | "
+              f"{r['memory_gb']:.1f} / {r.get('reserved_gb', float('nan')):.1f} | "
               f"{r['loss_first']:.2f}→{r['loss_last']:.2f} |")
     if args.out:
-        args.out.write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                        "overrides": args.extra, "results": results}, indent=1))
+        args.out.write_text(json.dumps({
+            "device": device, "torch": torch.__version__, "cudnn": cudnn,
+            "megatron_core": megatron.core.__version__, "argv": sys.argv,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "results": results,
+        }, indent=1))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ def check_zip_crcs(data: bytes) -> None:
                     pass
 
 
-# Where megatron-core >= 0.19 keeps the common state: ShardedObject("common_state", ..., (1,), (0,)).
+# Where megatron-core >= 0.19 keeps the common state:
+# ShardedObject("common_state", ..., (1,), (0,)).
 COMMON_OBJECT = "common_state/shard_0_1"
 
 

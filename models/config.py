@@ -17,6 +17,8 @@ class LongContextConfig(TransformerConfig):
     (Llama-4 style local chunks; every `global_layer_interval`-th layer global without RoPE).
     head_wise_attn_gate: a sigmoid gate per head on the attention output, fused into linear_qkv
     (models/attention/head_gate.py); works with every attention kind.
+    recompute_keep_attention: under full recompute, each core attention keeps its output and LSE
+    from the first forward instead of running again (models/recompute.py).
     """
 
     attention_kind: str = "standard"
@@ -28,6 +30,8 @@ class LongContextConfig(TransformerConfig):
     head_wise_attn_gate: bool = False
     head_wise_attn_gate_init_weight_scale: float = 0.1
     head_wise_attn_gate_init_bias: float = 2.0
+    recompute_keep_attention: bool = False  # full recompute keeps core-attention results
+    fused_rmsnorm: bool = False  # the layers' RMSNorms as one Triton pass (models/fused.py)
 
     def __post_init__(self) -> None:
         if self.head_wise_attn_gate:
@@ -36,8 +40,14 @@ class LongContextConfig(TransformerConfig):
         super().__post_init__()
         if self.attention_kind not in ATTENTION_KINDS:
             raise ValueError(
-                f"attention kind {self.attention_kind!r} is unknown; choose one of {ATTENTION_KINDS}"
+                f"attention kind {self.attention_kind!r} is unknown; "
+                f"choose one of {ATTENTION_KINDS}"
             )
+        if self.fused_rmsnorm and self.normalization != "RMSNorm":
+            raise ValueError(f"fused_rmsnorm needs normalization RMSNorm, not {self.normalization}")
+        if self.recompute_keep_attention and self.recompute_granularity != "full":
+            raise ValueError("recompute_keep_attention applies to full recompute only "
+                             f"(recompute_granularity is {self.recompute_granularity!r})")
         if self.attention_kind == "dca":
             self._validate_dca()
         if self.attention_kind == "chunked":

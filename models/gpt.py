@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,19 +36,50 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return padded
 
 
+def recompute_options(recompute: str, modules: list[str], num_layers: int, keep_attention: bool,
+                      model_layers: int) -> dict[str, Any]:
+    """megatron's recompute settings for `trainer.recompute*` (see TrainerConfig).
+
+    full: every layer (uniform, one layer per checkpoint) or the first `num_layers` (block);
+    `keep_attention` keeps each core attention's result instead of re-running it.
+    selective: megatron's `recompute_modules` (its default, core_attn, when empty).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"trainer.recompute={recompute!r}: choose none, selective or full")
+    if modules and recompute != "selective":
+        raise ValueError(f"trainer.recompute_modules={modules} needs trainer.recompute=selective")
+    if num_layers and recompute != "full":
+        raise ValueError(f"trainer.recompute_num_layers={num_layers} needs trainer.recompute=full")
+    if not 0 <= num_layers <= model_layers:
+        raise ValueError(f"trainer.recompute_num_layers={num_layers} must be in [0, "
+                         f"model.num_layers ({model_layers})]; 0 recomputes every layer")
+    if recompute == "full":
+        method = dict(recompute_method="block", recompute_num_layers=num_layers) if num_layers \
+            else dict(recompute_method="uniform", recompute_num_layers=1)
+        return dict(recompute_granularity="full", recompute_keep_attention=keep_attention,
+                    **method)
+    if recompute == "selective":
+        # megatron-core 0.16's "layernorm" recompute (CheckpointWithoutOutput) calls Transformer
+        # Engine even without fp8, so it fails without TE; its MoE/MLA modules do not apply.
+        allowed = ("core_attn", "mlp")
+        unknown = [m for m in modules if m not in allowed]
+        if unknown:
+            raise ValueError(f"trainer.recompute_modules: {unknown} not supported here; choose "
+                             f"from {list(allowed)}")
+        return dict(recompute_granularity="selective", recompute_modules=modules or None)
+    return {}
+
+
 def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: int = 1,
-                       sequence_parallel: bool = False, bf16: bool = False,
-                       on_gpu: bool = False, recompute: str = "none") -> LongContextConfig:
+                       cp: int = 1, sequence_parallel: bool = False, bf16: bool = False,
+                       on_gpu: bool = False, recompute: str = "none",
+                       recompute_modules: Sequence[str] = (), recompute_num_layers: int = 0,
+                       recompute_keep_attention: bool = False,
+                       fused_norm: bool = False) -> LongContextConfig:
     """The megatron config for a model shape, attention variant and parallel layout."""
     no_rope = no_rope_pattern(attention.kind, model.num_layers, attention.global_layer_interval)
-    recompute_kwargs: dict = {}
-    if recompute == "full":
-        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform",
-                                recompute_num_layers=1)
-    elif recompute == "selective":
-        recompute_kwargs = dict(recompute_granularity="selective")
-    elif recompute != "none":
-        raise ValueError(f"trainer.recompute={recompute!r}: choose none, selective or full")
+    recompute_kwargs = recompute_options(recompute, list(recompute_modules), recompute_num_layers,
+                                         recompute_keep_attention, model.num_layers)
     return LongContextConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -64,6 +97,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -75,6 +109,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
+        fused_rmsnorm=fused_norm and model.normalization == "RMSNorm",
         no_rope_freq=no_rope,
         attention_kind=attention.kind,
         rope_theta=model.rope_theta,

@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.config import LongContextConfig
+from models.fused import FusedRMSNorm
 
 # attention kind -> "module:Class" of its core attention; imported lazily so each variant's
 # dependencies load only when it is used.
@@ -31,6 +32,9 @@ def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
     (and the head-gated self-attention when the gate is on: it works with any core)."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention
+    if config.fused_rmsnorm:  # Triton RMSNorm (models/fused.py) in place of torch.nn.RMSNorm
+        spec.submodules.input_layernorm = FusedRMSNorm
+        spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     if config.head_wise_attn_gate:
         spec.submodules.self_attention.module = HeadGatedSelfAttention
     return spec
@@ -43,14 +47,17 @@ def is_global_layer(config: LongContextConfig, layer_number: int) -> bool:
 
 
 def block_spec(config: LongContextConfig) -> TransformerBlockSubmodules:
-    """One spec per layer, so layers may differ (chunked attention's global layers)."""
+    """One spec per layer, so layers may differ (chunked attention's global layers), and the
+    block's final norm (megatron adds it only for a single shared layer spec)."""
     local = core_attention_class(config.attention_kind)
     causal = core_attention_class("standard")
     specs = [
         layer_spec(config, causal if is_global_layer(config, n) else local)
         for n in range(1, config.num_layers + 1)
     ]
-    return TransformerBlockSubmodules(layer_specs=specs)
+    # The final norm before the output layer: the same norm the layers use (RMSNorm/LayerNorm).
+    final_norm = specs[0].submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
 
 def no_rope_pattern(kind: str, num_layers: int, global_layer_interval: int) -> list[int] | None:

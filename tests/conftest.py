@@ -7,8 +7,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -73,7 +74,8 @@ def run_cli(args: list[str], *, nproc: int = 1, cwd: Path, timeout: int = 600,
     full_env = {k: v for k, v in full_env.items() if v is not None}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output}"
     return proc
 
 

@@ -40,7 +40,8 @@ def check_against_reference(fn, b, s, hq, hk, chunk_size, cu_seqlens=None, scale
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
     for name, g, rg in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g, rg, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(g, rg, rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("b,s,hq,hk,chunk_size", [
@@ -102,7 +103,8 @@ def correct_sbhd_chunking(q, k, v, chunk_size):
         return x.view(s // chunk_size, chunk_size, b, *x.shape[2:]).permute(0, 2, 3, 1, 4) \
                 .reshape(-1, x.shape[2], chunk_size, x.shape[3])
     out = F.scaled_dot_product_attention(group(q), group(k), group(v), is_causal=True)
-    return out.view(s // chunk_size, b, h, chunk_size, -1).permute(0, 3, 1, 2, 4).reshape(s, b, h, -1)
+    out = out.view(s // chunk_size, b, h, chunk_size, -1).permute(0, 3, 1, 2, 4)
+    return out.reshape(s, b, h, -1)
 
 
 def sbhd(fn):

@@ -80,7 +80,7 @@ def test_inspect_reports_step_settings_tp_and_every_tensor(root: Path, capsys) -
 
 def test_verify_reads_everything_and_compares_checkpoints(root: Path, capsys) -> None:
     code, out = ckpt_main(["verify", root], capsys)
-    assert code == 0 and "OK" in out and "21 tensors" in out
+    assert code == 0 and "OK" in out and "24 tensors" in out
     assert ckpt_main(["verify", root, "--against", root / "iter_0000004"], capsys)[0] == 0
     code, out = ckpt_main(["verify", root, "--against", root / "iter_0000002"], capsys)
     assert code == 1 and "MISMATCH: max abs diff" in out and "tensors match" in out
@@ -264,7 +264,7 @@ def test_a_bf16_checkpoint_reshapes_on_cpu_keeping_its_dtypes(root: Path, tmp_pa
     bf16 = bf16_copy(root, tmp_path / "bf16")
     code, out = ckpt_main(["reshape", bf16, tmp_path / "tp2", "--target-tp", "2", "--verify"],
                           capsys)
-    assert code == 0 and "verified: 28 tensors (7 model) bitwise equal" in out, out
+    assert code == 0 and "verified: 32 tensors (8 model) bitwise equal" in out, out
     tensors = Checkpoint(resolve_checkpoint(tmp_path / "tp2")).tensors
     assert tensors["embedding.word_embeddings.weight"].dtype == torch.bfloat16
     assert tensors["optimizer.state.fp32_param.embedding.word_embeddings.weight"].dtype == \

@@ -15,12 +15,14 @@ from trainer.data import (
     DataIterator,
     JsonTokenizer,
     TokenStreamDataset,
+    _hash_names,
     build_datasets,
     embedded_corpus,
     load_tokenizer,
+    split_by_hash,
+    tokenize_embedded,
     validation_batches,
 )
-from trainer.data import _hash_names, split_by_hash, tokenize_embedded
 
 DOCS = ["first document: héllo wörld ✓", "second\nline two\n", "third " * 50]
 

@@ -68,7 +68,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(
     resumed = run_training(["trainer.max_steps=4", f"checkpoint.load={root}",
                             f"checkpoint.dir={root}", "trainer.save_interval=2"], name="again")
     assert [r["step"] for r in resumed] == [3, 4]
-    assert not (root / "iter_0000004.tmp").exists() and resolve_checkpoint(root).name == "iter_0000004"
+    assert not (root / "iter_0000004.tmp").exists()
+    assert resolve_checkpoint(root).name == "iter_0000004"
 
 
 def test_checkpoint_records_what_a_resume_needs(run_training, tmp_path: Path) -> None:

@@ -21,6 +21,9 @@ from trainer.config import register_configs
 from trainer.distributed import init_process_group, resolve_device
 
 register_configs()
+# Long-context steps allocate a few huge activation blocks; expandable segments keep the caching
+# allocator from fragmenting them (docs/benchmarks.md, "End-to-end training (issue 8)").
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 # megatron-core announces each missing optional accelerator package (apex, Transformer Engine).
 warnings.filterwarnings("ignore", message=".*(Apex is not installed|Transformer Engine and Apex)")
 warnings.filterwarnings("ignore", message="full scope is deprecated")

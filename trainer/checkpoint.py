@@ -107,7 +107,8 @@ def _rng_sharded_object() -> ShardedObject:
     return ShardedObject(
         rng_key(tp), _rng_state(), (tp,),
         (parallel_state.get_tensor_model_parallel_rank(),),
-        replica_id=parallel_state.get_data_parallel_rank(),
+        # Replicated over data- and context-parallel ranks (megatron's training loop does the same).
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
 
 

@@ -7,7 +7,6 @@ so a misspelt key or a wrong type fails at composition with Hydra's own message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -21,9 +20,9 @@ class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # None: multi-head attention (one group per head)
-    ffn_hidden_size: Optional[int] = None  # None: 4h (or 8h/3 rounded to 64 with SwiGLU)
-    kv_channels: Optional[int] = None  # None: hidden_size / num_attention_heads
+    num_query_groups: int | None = None  # None: multi-head attention (one group per head)
+    ffn_hidden_size: int | None = None  # None: 4h (or 8h/3 rounded to 64 with SwiGLU)
+    kv_channels: int | None = None  # None: hidden_size / num_attention_heads
     normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
     swiglu: bool = True
     qkv_bias: bool = False
@@ -53,10 +52,10 @@ class DataConfig:
     """Training data: the embedded corpus (no download) or a megatron indexed dataset."""
 
     name: str = "embedded"  # embedded | indexed
-    path: Optional[str] = None  # indexed: the .bin/.idx prefix
+    path: str | None = None  # indexed: the .bin/.idx prefix
     tokenizer: str = "byte"  # byte | path to a `tokenizers` JSON file
     valid_fraction: float = 0.05
-    max_documents: Optional[int] = None
+    max_documents: int | None = None
     passkey_fraction: float = 0.0  # share of training samples replaced by passkey examples
 
 
@@ -93,7 +92,13 @@ class TrainerConfig:
     eval_interval: int = 20
     eval_batches: int = 2
     save_interval: int = 20
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | full (activation recomputation, megatron's)
+    # selective: megatron's recompute_modules (core_attn, mlp); empty: megatron's [core_attn]
+    recompute_modules: list[str] = field(default_factory=list)
+    recompute_num_layers: int = 0  # full: recompute only the first N layers (0: every layer)
+    # full: keep each core attention's output and LSE rather than re-run it (models/recompute.py)
+    recompute_keep_attention: bool = True
+    fused_norm: bool = False  # RMSNorm as one Triton pass each way on the GPU (models/fused.py)
 
 
 @dataclass
@@ -101,7 +106,7 @@ class CheckpointConfig:
     """Where checkpoints go and which one to resume from."""
 
     dir: str = "checkpoints"  # relative paths are inside the run directory
-    load: Optional[str] = None  # a checkpoints root (latest complete) or one iter_* directory
+    load: str | None = None  # a checkpoints root (latest complete) or one iter_* directory
     save: bool = True
     thread_count: int = 1
 
@@ -112,10 +117,10 @@ class LoggerConfig:
 
     wandb: bool = True
     project: str = "longctx"
-    entity: Optional[str] = None
+    entity: str | None = None
     mode: str = "offline"  # the WANDB_MODE environment variable wins when set
-    group: Optional[str] = None
-    name: Optional[str] = None
+    group: str | None = None
+    name: str | None = None
     tags: list[str] = field(default_factory=list)
 
 

@@ -16,7 +16,7 @@ from trainer.cpu_mode import enable_cpu_mode
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits: global rank and world, its TP and DP coordinates."""
+    """Where this process sits: global rank and world, its TP, CP and DP coordinates."""
 
     device: torch.device
     rank: int
@@ -25,6 +25,8 @@ class Topology:
     tp_rank: int
     dp: int
     dp_rank: int
+    cp: int
+    cp_rank: int
 
     @property
     def is_main(self) -> bool:
@@ -36,7 +38,9 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        raise RuntimeError(
+            "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu"
+        )
     if choice not in ("cpu", "cuda"):
         raise ValueError(f"trainer.device={choice!r}: choose auto, cpu or cuda")
     return torch.device(choice)
@@ -58,20 +62,31 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def initialize_parallel(device: torch.device, tp: int, seed: int) -> Topology:
-    """Process group, megatron's model-parallel groups and its RNG tracker seeds."""
+def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1) -> Topology:
+    """Process group, megatron's model-parallel groups and its RNG tracker seeds.
+
+    Ranks are laid out TP fastest, then CP, then DP (megatron's order); data parallelism takes
+    world / (tp * cp) ranks, and the CP ranks of one DP rank read the same batches.
+    """
     init_process_group(device)
     world = dist.get_world_size()
-    if world % tp:
-        raise ValueError(f"parallel.tp ({tp}) must divide the number of processes ({world})")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if world % (tp * cp):
+        raise ValueError(f"parallel.tp x parallel.cp ({tp} x {cp}) must divide the number of "
+                         f"processes ({world})")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             context_parallel_size=cp)
+    if cp > 1:
+        # NCCL creates a group's communicator at its first collective, which every member must
+        # join; chunked attention's CP exchange may leave a rank with nothing to send or receive.
+        dist.barrier(group=parallel_state.get_context_parallel_group())
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Topology(
         device=device, rank=dist.get_rank(), world_size=world, tp=tp,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         dp=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(), cp=cp,
+        cp_rank=parallel_state.get_context_parallel_rank(),
     )
 
 

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, *, enabled: bool, start_step: int = 0, wandb_cfg: Any = None,
-                 config: Optional[dict] = None, wandb_id: Optional[str] = None) -> None:
+                 config: dict | None = None, wandb_id: str | None = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.wandb_run = None
@@ -34,7 +34,7 @@ class MetricsLogger:
             self.wandb_run = start_wandb(run_dir, wandb_cfg, config or {}, wandb_id)
 
     @property
-    def wandb_id(self) -> Optional[str]:
+    def wandb_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, row: dict[str, Any]) -> None:
@@ -51,7 +51,7 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-def start_wandb(run_dir: Path, cfg: Any, config: dict, run_id: Optional[str],
+def start_wandb(run_dir: Path, cfg: Any, config: dict, run_id: str | None,
                 **overrides: Any) -> Any:
     """Offline unless WANDB_MODE or `logger.mode` says otherwise; resumes `run_id` if given.
     `overrides` (group, name, job_type...) replace the logger config's values."""

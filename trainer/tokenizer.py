@@ -7,8 +7,9 @@ on-disk caches), `encode`, `encode_batch`, `encode_arrays` and `decode`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 

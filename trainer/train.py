@@ -5,25 +5,35 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_batch_on_this_cp_rank
 from omegaconf import DictConfig, OmegaConf
 
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import build_gpt, padded_vocab_size, transformer_config
-from trainer.config import check_known_keys
 from trainer.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from trainer.config import check_known_keys
 from trainer.data import DataIterator, build_datasets, validation_batches
-from trainer.distributed import (Topology, all_reduce_mean, initialize_parallel, resolve_device,
-                                 shutdown, unwrap_model, wrap_model)
+from trainer.distributed import (
+    Topology,
+    all_reduce_mean,
+    initialize_parallel,
+    resolve_device,
+    shutdown,
+    wrap_model,
+)
 from trainer.metrics import MetricsLogger
 from trainer.passkey import PasskeyMixDataset
+from trainer.perf import use_fused_adam
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +62,29 @@ def _num_microbatches(cfg: DictConfig, dp: int) -> int:
 
 def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
           device: torch.device) -> torch.Tensor:
+    """The micro-batch's mean per-token loss; under context parallelism (CP) this rank's term.
+
+    With CP each rank keeps pieces r and 2N-1-r of every sequence (the layout the CP attention
+    and megatron's RoPE expect) and returns cp x (its loss sum) / (the whole batch's token
+    count): DDP averages gradients over the dp x cp ranks, so the average is the gradient of the
+    batch's mean loss, and the mean of these values over the CP ranks is that loss.
+    """
     tokens = batch["tokens"].to(device)
     labels = batch["labels"].to(device)
     mask = batch["loss_mask"].to(device)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask,
+                                           "position_ids": positions})
+        tokens, labels, mask, positions = (local[key] for key in (
+            "tokens", "labels", "loss_mask", "position_ids"))
     # GPTModel returns the per-token cross entropy when given labels: [b, s].
     per_token = model(tokens, positions, None, labels=labels)
-    return (per_token.float() * mask).sum() / mask.sum()
+    count = mask.sum()
+    if cp > 1:
+        dist.all_reduce(count, group=parallel_state.get_context_parallel_group())
+    return (per_token.float() * mask).sum() * cp / count
 
 
 def _memory_gb(device: torch.device) -> float:
@@ -76,7 +102,11 @@ class Trainer:
         self.run_dir = run_dir
         t = cfg.trainer
         self.device = resolve_device(t.device)
-        self.topo: Topology = initialize_parallel(self.device, cfg.parallel.tp, t.seed)
+        if t.seq_length % (2 * cfg.parallel.cp):
+            raise ValueError(f"trainer.seq_length ({t.seq_length}) must be divisible by 2 x "
+                             f"parallel.cp ({cfg.parallel.cp}): each CP rank holds two pieces")
+        self.topo: Topology = initialize_parallel(self.device, cfg.parallel.tp, t.seed,
+                                                  cfg.parallel.cp)
         self.micro_batches = _num_microbatches(cfg, self.topo.dp)
 
         self.train_ds, self.valid_ds, tokenizer = build_datasets(
@@ -90,9 +120,11 @@ class Trainer:
                                             cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
         bf16 = _precision_is_bf16(t.precision, self.device)
         self.model_config = transformer_config(
-            cfg.model, cfg.attention, tp=cfg.parallel.tp,
+            cfg.model, cfg.attention, tp=cfg.parallel.tp, cp=cfg.parallel.cp,
             sequence_parallel=cfg.parallel.sequence_parallel, bf16=bf16,
             on_gpu=self.device.type == "cuda", recompute=t.recompute,
+            recompute_modules=t.recompute_modules, recompute_num_layers=t.recompute_num_layers,
+            recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
         )
         gpt = build_gpt(self.model_config, self.vocab_size, t.seq_length,
                         cfg.model.untie_embeddings)
@@ -108,6 +140,7 @@ class Trainer:
             ),
             [self.model],
         )
+        use_fused_adam(self.optimizer)  # CUDA only: one pass per step instead of foreach's many
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
             lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.max_steps,
@@ -138,9 +171,9 @@ class Trainer:
             self.topo.dp_rank, self.topo.dp,
         )
         n_params = sum(p.numel() for p in gpt.parameters())
-        log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d dp=%d, %s%s",
-                 cfg.model.name, n_params / 1e6, cfg.attention.kind, self.topo.tp, self.topo.dp,
-                 self.device.type, " bf16" if bf16 else " fp32")
+        log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d cp=%d dp=%d, %s%s",
+                 cfg.model.name, n_params / 1e6, cfg.attention.kind, self.topo.tp, self.topo.cp,
+                 self.topo.dp, self.device.type, " bf16" if bf16 else " fp32")
 
     def _resume(self, path: str) -> str | None:
         ckpt = resolve_checkpoint(path)
@@ -164,7 +197,9 @@ class Trainer:
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.consumed_samples += self.cfg.trainer.global_batch_size
-        loss = all_reduce_mean(total, parallel_state.get_data_parallel_group())
+        # Over the CP ranks too: each holds its share of the loss (see _loss).
+        loss = all_reduce_mean(total, parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
         return loss.item(), float(grad_norm or 0.0)
 
     @torch.no_grad()
@@ -173,7 +208,8 @@ class Trainer:
         batches = validation_batches(self.valid_ds, self.cfg.trainer.micro_batch_size,
                                      self.cfg.trainer.eval_batches)
         losses = torch.stack([_loss(self.model, b, self.device) for b in batches])
-        return all_reduce_mean(losses.mean(), parallel_state.get_data_parallel_group()).item()
+        return all_reduce_mean(losses.mean(), parallel_state.get_data_parallel_group(
+            with_context_parallel=True)).item()
 
     def save(self) -> Path:
         root = Path(self.cfg.checkpoint.dir)

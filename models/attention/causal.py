@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from models.attention.lse_attention import attention_backward, attention_forward
+from models.recompute import keep_attention, keeping, kept_attention
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -19,6 +25,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"kv heads ({k.shape[2]}) must divide query heads ({q.shape[2]})")
     if cu_seqlens is None:
+        if keeping():  # a recomputed layer that keeps its attention (models/recompute.py)
+            scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+            return _KeptCausalAttention.apply(q, k, v, scale)
         return _sdpa_causal(q, k, v, softmax_scale)
     if q.shape[0] != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got {q.shape[0]}")
@@ -43,3 +52,32 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             is_causal=True, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
         )
     return out.transpose(1, 2)  # [b, s, h, d]
+
+
+class _KeptCausalAttention(torch.autograd.Function):
+    """Causal attention through the LSE-returning kernels (lse_attention.py), so a recomputed
+    layer can keep (out, lse) from its first forward and skip the kernel when it recomputes."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d] views
+        kept = kept_attention(q.shape)
+        if kept is None:
+            out, lse = attention_forward(q, k, v, causal=True, scale=scale)
+            keep_attention(out, lse)
+        else:
+            out, lse = kept
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out.transpose(1, 2)  # [b, s, h, d]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.transpose(1, 2)
+        if dout.stride() != out.stride():  # the kernel backward wants out's layout
+            dout = torch.empty_like(out).copy_(dout)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True, scale=ctx.scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None

@@ -7,12 +7,11 @@ Chunked layers receive q/k already rotated by megatron's RoPE; the interleaved g
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from models.attention.chunked import chunked_attention
 from models.attention.core import CoreAttention
+from models.attention.cp_variants import cp_chunked_attention
 
 
 class ChunkedCoreAttention(CoreAttention):
@@ -23,6 +22,10 @@ class ChunkedCoreAttention(CoreAttention):
         self.chunk_size = config.attention_chunk_size
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return chunked_attention(q, k, v, chunk_size=self.chunk_size,
                                  softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+
+    def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_chunked_attention(q, k, v, chunk_size=self.chunk_size, group=self.cp_group,
+                                    softmax_scale=self.softmax_scale)

@@ -4,19 +4,25 @@ megatron's `SelfAttention` hands its core attention `[s, b, heads, dim]` tensors
 dim]` for packed THD sequences) that already carry RoPE, unless the layer skips RoPE (DCA applies
 its own). Each module here converts to `[b, s, heads, dim]`, calls its functional core and returns
 `[s, b, heads * dim]` as megatron expects.
+
+With context parallelism (config.context_parallel_size > 1) each rank holds its tokens in the
+load-balanced layout (models/attention/context_parallel.py) and `attend_cp` runs the variant's CP
+form over megatron's CP group instead.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.attention.causal import causal_attention
+from models.attention.cp_variants import cp_causal_attention
+from models.recompute import AttentionKeeper
 
 
 class CoreAttention(MegatronModule):
@@ -24,27 +30,49 @@ class CoreAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  attn_mask_type: AttnMaskType, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection: object = None) -> None:
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: object = None) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("context parallelism is not supported by this attention yet")
+        self.cp_group: dist.ProcessGroup | None = None
+        if config.context_parallel_size > 1:
+            self.cp_group = (getattr(pg_collection, "cp", None)
+                             or parallel_state.get_context_parallel_group())
         if (config.attention_dropout if attention_dropout is None else attention_dropout) > 0:
-            raise ValueError("attention_dropout must be 0: the fused attention paths have no dropout")
+            raise ValueError(
+                "attention_dropout must be 0: the fused attention paths have no dropout"
+            )
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+        self.keeper = AttentionKeeper()  # full recompute that keeps (out, lse): models/recompute.py
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        keep = self.training and getattr(self.config, "recompute_keep_attention", False)
+        with self.keeper.scope(keep):
+            return super().__call__(*args, **kwargs)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """[b, s, hq, d], [b, s, hk, d], [b, s, hk, d] -> [b, s, hq, d]."""
         raise NotImplementedError
 
+    def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Context-parallel form of `attend` over this rank's tokens, same shapes."""
+        raise NotImplementedError(f"{type(self).__name__} does not support context parallelism")
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: object = None,
-                attention_bias: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, attn_mask_type: object = None,
+                attention_bias: torch.Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by our core attentions")
+        if self.cp_group is not None:
+            if packed_seq_params is not None:
+                raise NotImplementedError(
+                    "packed sequences (THD, cu_seqlens) are not supported with context "
+                    "parallelism; use parallel.cp=1 or unpacked [s, b] batches")
+            out = self.attend_cp(query.transpose(0, 1), key.transpose(0, 1),
+                                 value.transpose(0, 1))
+            return out.transpose(0, 1).flatten(2)  # [s, b, h * d]
         if packed_seq_params is not None:
             # THD: [t, h, d] -> [1, t, h, d]; megatron reshapes our [t, h*d] back to [t, 1, h*d].
             out = self.attend(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
@@ -59,5 +87,8 @@ class CausalCoreAttention(CoreAttention):
     """Standard causal attention (torch SDPA)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return causal_attention(q, k, v, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+
+    def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_causal_attention(q, k, v, group=self.cp_group, softmax_scale=self.softmax_scale)

@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
+from models.recompute import keep_attention, kept_attention
 
 INTRA, SUCCESSIVE, INTER = 0, 1, 2
 
@@ -144,31 +145,15 @@ class _DualChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan,
                 scale: float) -> torch.Tensor:
-        batch, seq, heads, _ = q.shape
         v = v.contiguous()  # chunk views need a dense token axis
-        q_rot, k_rot = plan.rotate(q, k)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [b, s, hq, d]
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)  # merged
-        length = plan.length
-        for b, start, n in plan.docs:
-            rows = slice(start, start + n)
-            qs = [q_rot[p, b, rows] for p in range(plan.num_parts)]  # each [n, hq, d]
-            ks, vs = k_rot[b, rows], v[b, rows]
-            parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-            batched, inter = _document_calls(n, length)
-            inter_by_chunk = {call.q0 // length: call for call in inter}
-            for call in batched:
-                _forward_call(call, qs, ks, vs, parts, length, scale)
-            out_doc, lse_doc = out[b, rows], lse[b, :, rows]
-            # Merge chunk by chunk, right after its inter call, so partial outputs die early.
-            for chunk in range(-(-n // length)):
-                if chunk in inter_by_chunk:
-                    _forward_call(inter_by_chunk[chunk], qs, ks, vs, parts, length, scale)
-                span = slice(chunk * length, min(n, (chunk + 1) * length))
-                chunk_parts = parts.pop(chunk)
-                merge_partials([o for o, _ in chunk_parts], [lse_p for _, lse_p in chunk_parts],
-                               out_doc[span], lse_doc[:, span])
+        # Inside a recomputed layer (models/recompute.py) the first forward keeps (out, lse)
+        # and the recompute reuses them: only the backward's inputs are rebuilt.
+        kept = kept_attention(q.shape)
+        if kept is None:
+            out, lse = _forward(q, k, v, plan, scale)
+            keep_attention(out, lse)
+        else:
+            out, lse = kept
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out
@@ -190,6 +175,36 @@ class _DualChunkAttention(torch.autograd.Function):
                 k_rot[b, rows], v[b, rows], out[b, rows], dout[b, rows], lse[b, :, rows],
                 plan.positions[:, rows], dq[b, rows], dk[b, rows], dv[b, rows])
         return dq, dk, dv, None, None
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts; v contiguous."""
+    batch, seq, heads, _ = q.shape
+    q_rot, k_rot = plan.rotate(q, k)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [b, s, hq, d]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)  # merged
+    length = plan.length
+    for b, start, n in plan.docs:
+        rows = slice(start, start + n)
+        qs = [q_rot[p, b, rows] for p in range(plan.num_parts)]  # each [n, hq, d]
+        ks, vs = k_rot[b, rows], v[b, rows]
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        batched, inter = _document_calls(n, length)
+        inter_by_chunk = {call.q0 // length: call for call in inter}
+        for call in batched:
+            _forward_call(call, qs, ks, vs, parts, length, scale)
+        out_doc, lse_doc = out[b, rows], lse[b, :, rows]
+        # Merge chunk by chunk, right after its inter call, so partial outputs die early.
+        for chunk in range(-(-n // length)):
+            if chunk in inter_by_chunk:
+                _forward_call(inter_by_chunk[chunk], qs, ks, vs, parts, length, scale)
+            span = slice(chunk * length, min(n, (chunk + 1) * length))
+            chunk_parts = parts.pop(chunk)
+            merge_partials([o for o, _ in chunk_parts], [lse_p for _, lse_p in chunk_parts],
+                           out_doc[span], lse_doc[:, span])
+    return out, lse
 
 
 def _forward_call(call: _Call, qs: list[torch.Tensor], ks: torch.Tensor, vs: torch.Tensor,

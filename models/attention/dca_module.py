@@ -9,14 +9,13 @@ own RoPE scaling config.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
 
 from models.attention.core import CoreAttention
+from models.attention.cp_variants import cp_dual_chunk_attention
 from models.attention.dca import dual_chunk_attention
 
 
@@ -31,9 +30,15 @@ class DCACoreAttention(CoreAttention):
         self.mscale = _yarn_get_concentration_factor_from_config(config)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens,
+        )
+
+    def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_dual_chunk_attention(
+            q, k, v, chunk_size=self.chunk_size, local_size=self.local_size, group=self.cp_group,
+            rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
         )

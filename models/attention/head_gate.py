@@ -35,12 +35,16 @@ Bias: the gate has a bias only when `linear_qkv` has one (`add_qkv_bias`); its r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.mapping import (ShardedStateDict, ShardedTensor,
-                                                      ShardedTensorFactory)
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -50,7 +54,7 @@ from torch import Tensor, nn
 from models.config import LongContextConfig
 
 InitMethod = Callable[[Tensor], Any]
-QkvOutput = tuple[Tensor, Optional[Tensor]]  # a megatron linear's (output, bias)
+QkvOutput = tuple[Tensor, Tensor | None]  # a megatron linear's (output, bias)
 
 
 def apply_head_gate(x: Tensor, gate: Tensor) -> Tensor:
@@ -98,7 +102,7 @@ def qkv_gate_sharded_factory(sh_ten: ShardedTensor, sharded_offsets: tuple,
 
     @torch.no_grad()
     def build(key: str, t: Tensor, replica_id: Any,
-              flattened_range: Optional[slice]) -> list[ShardedTensor]:
+              flattened_range: slice | None) -> list[ShardedTensor]:
         if flattened_range is not None:
             raise NotImplementedError(
                 "head_wise_attn_gate checkpoints need whole (unflattened) tensors: use the "
@@ -139,8 +143,8 @@ class HeadGatedSelfAttention(SelfAttention):
 
     def __init__(self, config: LongContextConfig, submodules: SelfAttentionSubmodules,
                  layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.padding,
-                 cp_comm_type: Optional[str] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+                 cp_comm_type: str | None = None,
+                 pg_collection: ProcessGroupCollection | None = None) -> None:
         fused = replace(submodules, linear_qkv=_linear_qkv_with_gate(
             submodules.linear_qkv, config.num_attention_heads,
             config.head_wise_attn_gate_init_weight_scale,
@@ -154,7 +158,7 @@ class HeadGatedSelfAttention(SelfAttention):
         if self.linear_qkv.bias is not None:
             with torch.no_grad():
                 self.linear_qkv.bias[-self.gate_rows:].fill_(config.head_wise_attn_gate_init_bias)
-        self._gate: Optional[Tensor] = None
+        self._gate: Tensor | None = None
         self.linear_qkv.register_forward_hook(self._split_off_gate)
         self.linear_proj.register_forward_pre_hook(self._apply_gate)
 
@@ -170,7 +174,7 @@ class HeadGatedSelfAttention(SelfAttention):
         return (apply_head_gate(args[0], gate),)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> ShardedStateDict:
+                           metadata: dict | None = None) -> ShardedStateDict:
         """megatron's sharded state, with `linear_qkv`'s weight and bias saved as [QKV; Gate]."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         for name in ("weight", "bias"):

@@ -1,0 +1,353 @@
+"""Context parallelism (CP) for attention: the load-balanced layout, p2p KV exchange, and exact
+attention over keys that other ranks hold (LSE merge forward, global-LSE backward).
+
+Layout. With N CP ranks a sequence of S tokens is cut into 2N pieces of P = S / (2N) tokens and
+rank r holds pieces r and 2N-1-r, in that order (megatron's `get_batch_on_this_cp_rank` and its
+RoPE slicing use the same layout). Under a causal mask every rank then does the same work.
+
+Calls. An attention kind describes itself by a `CPPlan`: for a query rank `dst` and a KV source
+rank `src`, the dense kernel `Call`s (query rows of dst x key rows of src, full or causal, and
+which rotated copy of the query to use). Every call runs `attention_forward`, returning (out,
+lse); results merge by LSE online in fp32, and the backward runs every call's
+`attention_backward` with the *merged* out and lse (the global-LSE recipe of lse_attention.py),
+so each call's dq, dk, dv are exact and simply add up.
+
+Exchange, chosen by the plan:
+  ring    the KV block (k and v, one message) travels rank r -> r+1 for N-1 steps, so at step t
+          rank r holds the KV of r-t; in backward the KV travels again together with an fp32
+          dk/dv accumulator that every rank adds to, and one last hop brings it home.
+          For attention that needs (nearly) every earlier key: standard causal and DCA.
+  direct  each rank sends straight to each other rank only the key rows that rank's calls read
+          (a contiguous row span), nothing when it reads none; the few rows received are kept
+          for backward, whose dk/dv partials go straight back. For chunked attention.
+Both use torch.distributed p2p (batch_isend_irecv), which NCCL and gloo support.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from models.attention.lse_attention import attention_backward, attention_forward
+from models.recompute import keep_attention, kept_attention
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one CP rank's 2P local tokens sit in the global sequence."""
+
+    size: int  # N, the CP world size
+    rank: int
+    local_len: int  # 2P
+
+    def __post_init__(self) -> None:
+        if self.local_len % 2:
+            raise ValueError(f"context parallelism needs an even local sequence (two pieces), "
+                             f"got {self.local_len}; make seq_length divisible by 2 x cp")
+
+    @property
+    def piece_len(self) -> int:
+        return self.local_len // 2
+
+    def pieces(self, rank: int) -> tuple[int, int]:
+        """Global piece indices held by `rank`, in local order."""
+        return rank, 2 * self.size - 1 - rank
+
+    def positions(self) -> torch.Tensor:
+        """[2P] int64 global position of each local token of this rank (on the CPU)."""
+        p = self.piece_len
+        return torch.cat([torch.arange(a * p, (a + 1) * p) for a in self.pieces(self.rank)])
+
+
+class Call(NamedTuple):
+    """One dense kernel call: query rows [q0, q1) of the query rank (rotated copy `part`)
+    against key rows [k0, k1) of the source rank; `causal` only for the same global rows."""
+
+    part: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+class CPPlan:
+    """What an attention kind computes under CP. Subclasses implement `calls` and may set
+    `mode`; kinds that rotate q/k themselves (DCA: one rotated q per part) override
+    rotate/unrotate."""
+
+    mode = "ring"  # "ring" | "direct"
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    def calls(self, dst: int, src: int) -> list[Call]:
+        raise NotImplementedError
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [b, s, hq, d] -> [parts, b, s, hq, d] and k -> [b, s, hk, d], both contiguous."""
+        return q.contiguous().unsqueeze(0), k.contiguous()
+
+    def unrotate(self, dq_parts: torch.Tensor, dk: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients w.r.t. the rotated tensors (fp32) -> w.r.t. q and k, in `dtype`."""
+        return dq_parts[0].to(dtype), dk.to(dtype)
+
+
+def coalesce(calls: list[Call]) -> list[Call]:
+    """Merge full calls that tile a larger rectangle: the same keys and adjacent query rows,
+    then the same queries and adjacent key rows. Fewer, larger kernel calls; same function."""
+    return _merge_adjacent(_merge_adjacent(calls, on_queries=True), on_queries=False)
+
+
+def _merge_adjacent(calls: list[Call], on_queries: bool) -> list[Call]:
+    """One coalescing pass along the query (or key) axis."""
+    def spans(c: Call) -> tuple[tuple[int, int], tuple[int, int]]:  # (this axis, the other)
+        return ((c.q0, c.q1), (c.k0, c.k1)) if on_queries else ((c.k0, c.k1), (c.q0, c.q1))
+
+    merged: list[Call] = []
+    for c in sorted(calls, key=lambda c: (c.part, c.causal, spans(c)[1], spans(c)[0])):
+        last = merged[-1] if merged else None
+        if last is not None and not (c.causal or last.causal) and last.part == c.part:
+            (_, end), other = spans(last)
+            (start, stop), c_other = spans(c)
+            if other == c_other and end == start:
+                merged[-1] = last._replace(**{"q1" if on_queries else "k1": stop})
+                continue
+        merged.append(c)
+    return merged
+
+
+def key_span(plan: CPPlan, dst: int, src: int) -> tuple[int, int] | None:
+    """The contiguous rows of src's KV covering every row dst's calls read, or None."""
+    calls = plan.calls(dst, src)
+    if not calls:
+        return None
+    return min(c.k0 for c in calls), max(c.k1 for c in calls)
+
+
+def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+         group: dist.ProcessGroup, tag: int = 0) -> list:
+    """Post sends and receives (peers are ranks within `group`); returns the works to wait on."""
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer, tag=tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer, tag=tag) for t, peer in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _heads_major(x: torch.Tensor) -> torch.Tensor:
+    """[..., b, s, h, d] -> a [..., b, h, s, d] view: the kernels' layout, rows on dim -2."""
+    return x.transpose(-2, -3)
+
+
+def _ring_sources(kv: torch.Tensor, layout: Layout,
+                  group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """Forward ring: yields (src, its whole KV [2, b, s, hk, d], row offset 0) for t = 0..N-1,
+    the next block already in flight while the caller computes on this one."""
+    n, r = layout.size, layout.rank
+    current = kv
+    for t in range(n):
+        works, incoming = [], None
+        if t < n - 1:
+            incoming = torch.empty_like(current)
+            works = _p2p([(current, (r + 1) % n)], [(incoming, (r - 1) % n)], group)
+        yield (r - t) % n, current, 0
+        _wait(works)
+        current = incoming
+
+
+class _CPAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
+                group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+        # Inside a recomputed layer (models/recompute.py) the first forward keeps its result and
+        # the KV rows it received; the recompute reuses them: no kernels and no exchange again.
+        kept = kept_attention(q.shape)
+        if kept is None:
+            out, lse, received = _forward(q, k, v, plan, group, scale)
+            keep_attention(out, lse, *received)
+        else:
+            out, lse, *received = kept
+        ctx.save_for_backward(q, k, v, out, lse, *received)
+        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, *received = ctx.saved_tensors
+        plan: CPPlan = ctx.plan
+        q_parts, k_rot = plan.rotate(q, k)
+        kv = torch.stack([k_rot, v])
+        acc_dtype = lse.dtype
+        dq_parts = torch.zeros(q_parts.shape, dtype=acc_dtype, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)  # this rank's own K/V
+        args = _BackwardArgs(_heads_major(q_parts), _heads_major(dout.contiguous()),
+                             _heads_major(out), lse, _heads_major(dq_parts), ctx.scale)
+        if plan.mode == "ring":
+            _ring_backward(plan, kv, dkv, args, ctx.group)
+        else:
+            _direct_backward(plan, kv, dkv, args, ctx.group,
+                             [(src, lo, rows) for (src, (lo, _)), rows in zip(_incoming(plan),
+                                                                              received)])
+        dq, dk = plan.unrotate(dq_parts, dkv[0], q.dtype)
+        return dq, dk, dkv[1].to(v.dtype), None, None, None
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
+             group: dist.ProcessGroup,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(out [b, s, hq, d] contiguous, merged lse [b, hq, s] in fp32/fp64, the KV row blocks
+    received in direct mode, in `_incoming` order)."""
+    layout = plan.layout
+    q_parts, k_rot = plan.rotate(q, k)  # [parts, b, s, hq, d], [b, s, hk, d]
+    kv = torch.stack([k_rot, v])  # [2, b, s, hk, d]: one message per exchange
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, seq, heads, dim = q.shape
+    acc = torch.zeros(batch, heads, seq, dim, dtype=acc_dtype, device=q.device)  # [b, h, s, d]
+    lse = torch.full((batch, heads, seq), float("-inf"), dtype=acc_dtype, device=q.device)
+    q_views = _heads_major(q_parts)  # [parts, b, hq, s, d]
+    received: list[torch.Tensor] = []
+    if plan.mode == "ring":
+        sources = _ring_sources(kv, layout, group)
+    else:
+        sources = _direct_sources(kv, plan, group, received)
+    for src, block, offset in sources:
+        kb, vb = _heads_major(block)  # [b, hk, rows, d]
+        for c in plan.calls(layout.rank, src):
+            keys = slice(c.k0 - offset, c.k1 - offset)
+            part_out, part_lse = attention_forward(
+                q_views[c.part][:, :, c.q0:c.q1], kb[:, :, keys], vb[:, :, keys],
+                causal=c.causal, scale=scale)
+            _merge(acc, lse, c.q0, c.q1, part_out, part_lse)
+    # [b, s, hq, d] contiguous: the layout of q_parts[p], as the kernel backwards require.
+    return acc.transpose(1, 2).to(q.dtype).contiguous(), lse, received
+
+
+def _merge(acc: torch.Tensor, lse: torch.Tensor, q0: int, q1: int, out: torch.Tensor,
+           out_lse: torch.Tensor) -> None:
+    """Fold one call's (out [b, h, m, d], lse [b, h, m]) into rows [q0, q1) of the running
+    result, in the accumulators' precision. Rows start at lse -inf, out 0."""
+    old = lse[:, :, q0:q1]
+    new = torch.logaddexp(old, out_lse.to(lse.dtype))
+    acc[:, :, q0:q1].mul_((old - new).exp().unsqueeze(-1)).add_(
+        out.to(acc.dtype) * (out_lse - new).exp().unsqueeze(-1))
+    lse[:, :, q0:q1] = new
+
+
+class _BackwardArgs(NamedTuple):
+    """What every call's backward reads: [parts|-, b, h, s, d] head-major views."""
+    q: torch.Tensor
+    dout: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor  # [b, hq, s]
+    dq: torch.Tensor  # accumulator, [parts, b, hq, s, d]
+    scale: float
+
+
+def _calls_backward(args: _BackwardArgs, calls: list[Call], block: torch.Tensor,
+                    dblock: torch.Tensor, offset: int) -> None:
+    """Run the calls' kernel backwards against a KV block [2, b, rows, hk, d]; dq adds into
+    args.dq, dk/dv into dblock (same shape as block, fp32). Rows of the block start at `offset`."""
+    kb, vb = _heads_major(block)
+    dk, dv = _heads_major(dblock)
+    for c in calls:
+        keys = slice(c.k0 - offset, c.k1 - offset)
+        dq_c, dk_c, dv_c = attention_backward(
+            args.dout[:, :, c.q0:c.q1], args.q[c.part][:, :, c.q0:c.q1], kb[:, :, keys],
+            vb[:, :, keys], args.out[:, :, c.q0:c.q1], args.lse[:, :, c.q0:c.q1].contiguous(),
+            causal=c.causal, scale=args.scale)
+        args.dq[c.part][:, :, c.q0:c.q1] += dq_c
+        dk[:, :, keys] += dk_c
+        dv[:, :, keys] += dv_c
+
+
+def _ring_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _BackwardArgs,
+                   group: dist.ProcessGroup) -> None:
+    """At step t rank r holds src = r-t's KV and the dk/dv accumulator for it; it adds its part
+    and passes both to r+1. After the last step the accumulator r+1 holds is r+1's own, so one
+    more hop in the same direction brings every accumulator home (into `dkv`)."""
+    n, r = plan.layout.size, plan.layout.rank
+    current, acc = kv, torch.zeros_like(dkv)
+    for t in range(n):
+        works, incoming = [], None
+        if t < n - 1:  # the KV moves on while this step computes
+            incoming = torch.empty_like(current)
+            works = _p2p([(current, (r + 1) % n)], [(incoming, (r - 1) % n)], group)
+        _calls_backward(args, plan.calls(r, (r - t) % n), current, acc, 0)
+        arrived = dkv if t == n - 1 else torch.empty_like(acc)
+        _wait(works + _p2p([(acc, (r + 1) % n)], [(arrived, (r - 1) % n)], group, tag=1))
+        current, acc = incoming, arrived
+
+
+def _incoming(plan: CPPlan) -> list[tuple[int, tuple[int, int]]]:
+    """Direct mode: (src, key span) of every row block this rank receives, in order."""
+    n, r = plan.layout.size, plan.layout.rank
+    blocks = []
+    for t in range(1, n):
+        span = key_span(plan, r, (r - t) % n)
+        if span is not None:
+            blocks.append(((r - t) % n, span))
+    return blocks
+
+
+def _direct_sources(kv: torch.Tensor, plan: CPPlan, group: dist.ProcessGroup,
+                    received: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """Direct exchange: post every send and receive at once, yield the local KV while they fly,
+    then each received row block (also appended to `received` for the backward)."""
+    n, r = plan.layout.size, plan.layout.rank
+    sends = []
+    for t in range(1, n):
+        span = key_span(plan, (r + t) % n, r)
+        if span is not None:
+            sends.append((kv[:, :, span[0]:span[1]].contiguous(), (r + t) % n))
+    incoming = _incoming(plan)
+    received += [kv.new_empty(2, kv.shape[1], hi - lo, *kv.shape[3:]) for _, (lo, hi) in incoming]
+    works = _p2p(sends, [(rows, src) for (src, _), rows in zip(incoming, received)], group)
+    yield r, kv, 0
+    _wait(works)
+    for (src, (lo, _)), rows in zip(incoming, received):
+        yield src, rows, lo
+
+
+def _direct_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _BackwardArgs,
+                     group: dist.ProcessGroup,
+                     received: list[tuple[int, int, torch.Tensor]]) -> None:
+    """dk/dv partials for received rows go straight back to their owners; ours come to us."""
+    n, r = plan.layout.size, plan.layout.rank
+    _calls_backward(args, plan.calls(r, r), kv, dkv, 0)
+    sends = []
+    for src, offset, rows in received:
+        partial = torch.zeros(rows.shape, dtype=dkv.dtype, device=dkv.device)
+        _calls_backward(args, plan.calls(r, src), rows, partial, offset)
+        sends.append((partial, src))
+    incoming = []
+    for t in range(1, n):
+        dst = (r + t) % n
+        span = key_span(plan, dst, r)
+        if span is not None:
+            partial = dkv.new_empty(2, dkv.shape[1], span[1] - span[0], *dkv.shape[3:])
+            incoming.append((partial, dst, span))
+    _wait(_p2p(sends, [(p, dst) for p, dst, _ in incoming], group))
+    for partial, _, (lo, hi) in incoming:
+        dkv[:, :, lo:hi] += partial
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
+                 group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys as `plan` describes.
+
+    q: [b, 2P, hq, d]; k, v: [b, 2P, hk, d] (this rank's tokens in the load-balanced layout).
+    Returns [b, 2P, hq, d] in q's dtype; differentiable in q, k, v (exact global-LSE backward).
+    """
+    return _CPAttention.apply(q, k, v, plan, group, scale)
