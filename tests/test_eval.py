@@ -104,3 +104,17 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
 
 class _NoSweep:
     mode = None
+
+
+def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    from trainer import eval as eval_entry
+    from trainer.checkpoint import CheckpointMismatchError
+
+    run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
+    monkeypatch.setattr(eval_entry.HydraConfig, "get", staticmethod(lambda: _NoSweep()))
+    cfg = compose_config(["+attention=head_gate", "eval.lengths=[128]", "logger=none",
+                          f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}"])
+    with pytest.raises(CheckpointMismatchError, match="linear_qkv.weight._gate"):
+        eval_entry.evaluate(cfg, tmp_path)

@@ -277,14 +277,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     template = _state_dict(model, optimizer, is_loading=True, with_rng=with_rng)
     mismatches = architecture_mismatches(ckpt, unwrap_model(model).config)
     mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None)
-    if mismatches:
-        raise CheckpointMismatchError(
-            f"checkpoint {ckpt_dir} does not fit this model (nothing was loaded):\n  "
-            + "\n  ".join(mismatches))
-    try:
-        loaded = dist_checkpointing.load(template, str(ckpt_dir))
-    except Exception as e:
-        raise CheckpointError(f"loading {ckpt_dir} failed: {type(e).__name__}: {e}") from e
+    loaded = _load_if_fits(ckpt_dir, template, mismatches)
     unwrap_model(model).load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -295,6 +288,30 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     else:
         log.info("the checkpoint holds no RNG states for TP=%d: they start fresh", tp)
     return extra
+
+
+def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+    """Model weights only (evaluation), with `load_checkpoint`'s file and shape checks; the
+    model's attention variant may differ from the saved one as long as its tensors match.
+    Returns `extra`."""
+    ckpt = open_checked(ckpt_dir)
+    template = _state_dict(model, None, is_loading=True, with_rng=False)
+    mismatches = template_mismatches(ckpt, template, with_optimizer=False)
+    unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
+    return ckpt.extra
+
+
+def _load_if_fits(ckpt_dir: str | os.PathLike, template: dict[str, Any],
+                  mismatches: list[str]) -> dict[str, Any]:
+    """Refuse before touching any weight if the checkpoint does not fit, else load."""
+    if mismatches:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} does not fit this model (nothing was loaded):\n  "
+            + "\n  ".join(mismatches))
+    try:
+        return dist_checkpointing.load(template, str(ckpt_dir))
+    except Exception as e:
+        raise CheckpointError(f"loading {ckpt_dir} failed: {type(e).__name__}: {e}") from e
 
 
 def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:

@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 
 
 def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.device):
-    from megatron.core import dist_checkpointing
     from megatron.core.transformer.module import Float16Module
 
     from models.gpt import build_gpt, padded_vocab_size, transformer_config
+    from trainer.checkpoint import load_model_weights
     from trainer.data import load_tokenizer
 
     tokenizer = load_tokenizer(saved.data.tokenizer)
@@ -47,8 +47,7 @@ def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.de
     gpt = build_gpt(config, vocab, max(cfg.eval.lengths), saved.model.untie_embeddings)
     if device.type == "cuda":
         gpt.cuda()
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt))
-    gpt.load_state_dict(state["model"])
+    load_model_weights(ckpt, gpt)
     model = Float16Module(config, gpt) if bf16 else gpt
     return model.eval(), tokenizer
 
@@ -116,9 +115,7 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
-    from megatron.core import dist_checkpointing
-
-    from trainer.checkpoint import resolve_checkpoint
+    from trainer.checkpoint import resolve_checkpoint, saved_extra
     from trainer.data import build_datasets
     from trainer.distributed import initialize_parallel, resolve_device, shutdown
     from trainer.evaluate import passkey_accuracy, perplexity_by_length
@@ -127,7 +124,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     if not cfg.checkpoint.load:
         raise ValueError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
     ckpt = resolve_checkpoint(cfg.checkpoint.load)
-    extra = dist_checkpointing.load_common_state_dict(str(ckpt))["extra"]
+    extra = saved_extra(ckpt)
     saved = OmegaConf.create(yaml.safe_load(extra["config"]))
     device = resolve_device(cfg.trainer.device)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
