@@ -8,6 +8,13 @@ process; figures are medians over the steps after warm-up. Out-of-memory is repo
         --set-for 4096 trainer.micro_batch_size=8 trainer.global_batch_size=8 \\
         --set-for 131072 trainer.recompute=full --profile 4096 32768 --out bench_train.json
 
+Under torchrun every rank runs the same cases (one process group per case is formed and torn
+down, so run one case per torchrun where NCCL is used); rank 0 reports, `memory_gb` is the
+peak of the most loaded GPU, and an error ends the job rather than leaving peers waiting:
+
+    torchrun --nproc-per-node 2 bench/train.py --models gpt_1p3b --attention dca \\
+        --seqs 131072 --set parallel.cp=2 trainer.recompute=full --out cp2.json
+
 Overrides: `--set` applies to every case; `--set-for KEY ...` to the cases KEY names, where KEY
 is `:`-separated parts each matching a case's model, attention, seq or variant (`131072`,
 `dca:32768`, `gpt_1p3b:dca`); later ones win per key. `--variant NAME ...` runs every case once
@@ -48,6 +55,9 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.train import Trainer, train  # noqa: E402
 
+RANK = int(os.environ.get("RANK", "0"))  # torchrun's; a plain run is rank 0 of 1
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
 # A short run: lr warms up over all but the last step (a 1-step warm-up to 3e-4 diverges at 1.3B).
 BASE = {
     "trainer.micro_batch_size": "1", "trainer.global_batch_size": "1",
@@ -75,7 +85,7 @@ def matches(key: str, case: dict[str, Any]) -> bool:
 
 def run_case(model: str, attention: str, seq: int, steps: int, extra: list[str],
              run_dir: Path) -> list[dict[str, Any]]:
-    """Train `steps` steps of one case; returns its metrics rows."""
+    """Train `steps` steps of one case; returns its metrics rows (none off rank 0)."""
     base = {**BASE, "model": model, "trainer.seq_length": str(seq),
             "trainer.max_steps": str(steps), "trainer.warmup_steps": str(max(0, steps - 1))}
     overrides = merge_overrides([f"{k}={v}" for k, v in base.items()], extra)
@@ -84,6 +94,8 @@ def run_case(model: str, attention: str, seq: int, steps: int, extra: list[str],
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     train(cfg, run_dir)
+    if RANK:  # rank 0 alone writes metrics.jsonl
+        return []
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -225,6 +237,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     register_configs()
+    if torch.cuda.is_available():  # before any CUDA call: one context per GPU, not all on GPU 0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     steps_for = {}
     for item in args.steps_for:
         seq, steps, warmup = (int(x) for x in item.split(":"))
@@ -237,7 +251,7 @@ def main() -> None:
             for attention in args.attention:
                 for variant, variant_overrides in variants:
                     case: dict[str, Any] = {"model": model, "attention": attention, "seq": seq,
-                                            "variant": variant}
+                                            "variant": variant, "gpus": WORLD}
                     if any(matches(key, case) for key in args.skip):
                         continue
                     extra = merge_overrides(args.extra, *[o[1:] for o in args.set_for
@@ -255,14 +269,20 @@ def main() -> None:
                         with tempfile.TemporaryDirectory() as tmp, \
                                 profile_step(steps if profile else 0, profiles):
                             rows = run_case(model, attention, seq, steps, extra, Path(tmp))
+                    except Exception as exc:
+                        if WORLD > 1:  # peers would wait for this rank forever: end the job
+                            raise
+                        if not isinstance(exc, torch.OutOfMemoryError):
+                            traceback.print_exc()  # report and go on with the other cases
+                        case["error"] = ("OOM" if isinstance(exc, torch.OutOfMemoryError)
+                                         else f"{type(exc).__name__}: {str(exc)[:200]}")
+                        rows = []
+                    if RANK:
+                        continue
+                    if rows:
                         case.update(summarize(rows, warmup, bool(profiles)))
                         if profiles:
                             case["profile"] = profiles[0]
-                    except torch.OutOfMemoryError:
-                        case["error"] = "OOM"
-                    except Exception as exc:  # report and go on with the other cases
-                        traceback.print_exc()
-                        case["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     gc.collect()  # an OOM's traceback cycles hold the failed case's tensors
                     if torch.cuda.is_available():
                         case["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
@@ -272,16 +292,18 @@ def main() -> None:
                     if "profile" in case:
                         print_profile(case)
 
+    if RANK:
+        return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     import megatron.core
     cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
     print(f"\n{device}, torch {torch.__version__}, cuDNN {cudnn}, megatron-core "
           f"{megatron.core.__version__}, overrides: {' '.join(args.extra) or '-'}\n")
-    print("| model | attention | seq | variant | tokens/s | TFLOP/s | MFU | peak GB (alloc / "
-          "reserved) | loss first→last |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | attention | seq | variant | GPUs | tokens/s | TFLOP/s per GPU | MFU | peak GB "
+          "(alloc, max over GPUs / reserved, GPU 0) | loss first→last |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        head = f"| {r['model']} | {r['attention']} | {r['seq']} | {r['variant']} |"
+        head = f"| {r['model']} | {r['attention']} | {r['seq']} | {r['variant']} | {r['gpus']} |"
         if "error" in r:
             print(f"{head} {r['error'][:60]} | | | {r.get('reserved_gb', 0):.1f} reserved | |")
             continue

@@ -88,9 +88,17 @@ def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 
 
 def _memory_gb(device: torch.device) -> float:
+    """Peak memory of the most loaded rank (rank 0 alone logs; under CP or TP another rank's
+    share may be larger): CUDA peak allocated, or the process's resident set on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return psutil.Process().memory_info().rss / 2**30
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        peak = psutil.Process().memory_info().rss / 2**30
+    if dist.get_world_size() > 1:
+        value = torch.tensor([peak], dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        peak = value.item()
+    return peak
 
 
 class Trainer:
