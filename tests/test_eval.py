@@ -118,3 +118,12 @@ def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training, tmp
                           f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}"])
     with pytest.raises(CheckpointMismatchError, match="linear_qkv.weight._gate"):
         eval_entry.evaluate(cfg, tmp_path)
+
+
+def test_eval_refuses_context_parallelism_before_loading(tmp_path: Path) -> None:
+    from trainer import eval as eval_entry
+
+    cfg = compose_config(["eval.lengths=[128]", "logger=none", "parallel.cp=2",
+                          f"checkpoint.load={tmp_path / 'missing'}"])
+    with pytest.raises(ValueError, match=r"parallel.cp=2; run it with parallel.cp=1"):
+        eval_entry.evaluate(cfg, tmp_path)

@@ -123,6 +123,10 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     check_known_keys(cfg)
     if not cfg.checkpoint.load:
         raise ValueError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
+    if cfg.parallel.cp != 1:
+        raise ValueError(f"trainer.eval does not split sequences across ranks: parallel.cp="
+                         f"{cfg.parallel.cp}; run it with parallel.cp=1 (a checkpoint trained "
+                         "with CP loads at CP=1; eval needs no activations for backward)")
     ckpt = resolve_checkpoint(cfg.checkpoint.load)
     extra = saved_extra(ckpt)
     saved = OmegaConf.create(yaml.safe_load(extra["config"]))
