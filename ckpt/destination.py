@@ -3,11 +3,18 @@ replaces DST only when everything in it is written (and checked)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def add_destination_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """DST and --overwrite, as every command that writes takes them."""
+    parser.add_argument("dst", help=f"{what} (must be empty or absent)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
 
 
 class DestinationError(RuntimeError):

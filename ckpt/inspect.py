@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ckpt.layout import tp_layout
-from ckpt.reader import Checkpoint
+from ckpt.reader import CHECKPOINT_HELP, Checkpoint
 from trainer.checkpoint import resolve_checkpoint
 
 MODEL_WEIGHT = "embedding.word_embeddings.weight"
@@ -83,7 +83,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Show a checkpoint's step, model and attention settings, the TP size it was "
                     "saved at, every tensor's global shape and dtype, and bytes on disk. Reads "
                     "only the index and common state: no tensor data is loaded.")
-    p.add_argument("dir", help="a checkpoints root (its latest checkpoint) or an iter_* directory")
+    p.add_argument("dir", help=CHECKPOINT_HELP)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(run=run)
 

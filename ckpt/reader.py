@@ -38,6 +38,10 @@ _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.chec
                 "torch.distributed.checkpoint.filesystem")
 
 
+# Help text of every command's checkpoint argument (what `resolve_checkpoint` accepts).
+CHECKPOINT_HELP = "a checkpoints root (its latest checkpoint) or an iter_* directory"
+
+
 class CheckpointError(RuntimeError):
     """A damaged, incomplete, unsafe or incompatible checkpoint; the message names the file."""
 

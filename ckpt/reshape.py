@@ -27,10 +27,10 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from ckpt.destination import staged
+from ckpt.destination import add_destination_arguments, staged
 from ckpt.inspect import MODEL_WEIGHT, format_table
 from ckpt.layout import checked_layout, is_optimizer_key
-from ckpt.reader import Checkpoint
+from ckpt.reader import CHECKPOINT_HELP, Checkpoint
 from ckpt.verify import compare
 from models.gpt import build_gpt, ffn_hidden_size, transformer_config
 from trainer.checkpoint import (
@@ -242,13 +242,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "build the model at TP=N from the saved config, load SRC and save DST, a "
                     "checkpoints root that `python -m trainer checkpoint.load=DST parallel.tp=N` "
                     "resumes from. Needs no GPU. DST appears only when complete.")
-    p.add_argument("src", help="a checkpoints root (its latest checkpoint) or an iter_* directory")
-    p.add_argument("dst", help="the new checkpoints root (must be empty or absent)")
+    p.add_argument("src", help=CHECKPOINT_HELP)
+    add_destination_arguments(p, "the new checkpoints root")
     p.add_argument("--target-tp", type=int, required=True, metavar="N", help="the new TP size")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (each tensor's shard shape before and after) and write "
                         "nothing")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.add_argument("--model-only", action="store_true",
                    help="write model weights only (no optimizer or scheduler: not resumable)")
     p.add_argument("--verify", action="store_true",

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from ckpt.inspect import format_table, human_bytes
-from ckpt.reader import Checkpoint, CheckpointError
+from ckpt.reader import CHECKPOINT_HELP, Checkpoint, CheckpointError
 from trainer.checkpoint import resolve_checkpoint
 
 
@@ -77,7 +77,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "pickled object loadable without running code, every tensor fully covered "
                     "by its chunks. With --against, compare the two checkpoints tensor by "
                     "tensor. Exits 1 on any problem or mismatch.")
-    p.add_argument("dir", help="a checkpoints root (its latest checkpoint) or an iter_* directory")
+    p.add_argument("dir", help=CHECKPOINT_HELP)
     p.add_argument("--against", metavar="OTHER",
                    help="compare with this checkpoint: same keys, shapes, dtypes and values")
     p.add_argument("--atol", type=float, default=0.0,

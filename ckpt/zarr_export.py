@@ -29,10 +29,10 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from tqdm import tqdm
 
-from ckpt.destination import staged
+from ckpt.destination import add_destination_arguments, staged
 from ckpt.layout import TPLayout, checked_layout, is_stacked
 from ckpt.plain import decode, encode
-from ckpt.reader import Checkpoint, object_location
+from ckpt.reader import CHECKPOINT_HELP, Checkpoint, object_location
 from trainer.checkpoint import resolve_checkpoint, write_checkpoint
 from trainer.distributed import init_process_group
 
@@ -232,12 +232,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "manifest.json (step, config, shapes, dtypes, TP axes, checksums, the "
                     "[QKV; Gate] split, the common state and RNG states as exact JSON). "
                     "`import` turns it back into a resumable training checkpoint, bit for bit.")
-    p.add_argument("src", help="a checkpoints root (its latest checkpoint) or an iter_* directory")
-    p.add_argument("dst", help="the export directory (must be empty or absent)")
+    p.add_argument("src", help=CHECKPOINT_HELP)
+    add_destination_arguments(p, "the export directory")
     p.add_argument("--format", choices=["zarr"], required=True, help="the output format")
     p.add_argument("--chunk-tp", type=int, metavar="N",
                    help="align chunks with TP=N ranks' slices (default: the TP size saved at)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     p.set_defaults(run=lambda a: export(a.src, a.dst, chunk_tp=a.chunk_tp,
                                         overwrite=a.overwrite) or 0)
     p = commands.add_parser(
@@ -246,6 +245,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "checkpoint (a checkpoints root with one iter_* directory), bit for bit; "
                     "every array is checked against the manifest's SHA-256 first.")
     p.add_argument("src", help="the export directory")
-    p.add_argument("dst", help="the new checkpoints root (must be empty or absent)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    add_destination_arguments(p, "the new checkpoints root")
     p.set_defaults(run=lambda a: import_export(a.src, a.dst, overwrite=a.overwrite) or 0)
