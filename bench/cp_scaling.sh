@@ -4,6 +4,7 @@
 # run); every case writes OUT/cp<N>_<seq>.json and its log to OUT/cp<N>_<seq>.log.
 #   OUT=results bash bench/cp_scaling.sh "2 1" 131072 262144
 # First argument: the CP sizes to run, in order; then the sequence lengths (default 131072).
+# Steps: 4 with 2 of warm-up (medians of the last 2); 3 with 1 at 262144, whose steps are ~45 s.
 set -uo pipefail
 out=${OUT:-.}
 cps=${1:-"2 1"}

@@ -103,7 +103,7 @@ def single_process():
     shutdown()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -123,4 +123,4 @@ def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int,
 
 def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int) -> None:
     """Run `fn(*args)` on `world` gloo processes at TP size `tp`; a failure in any raises here."""
-    mp.spawn(_worker, args=(fn, world, _free_port(), tp, args), nprocs=world)
+    mp.spawn(_worker, args=(fn, world, free_port(), tp, args), nprocs=world)

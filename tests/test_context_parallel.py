@@ -31,7 +31,6 @@ from models.attention.cp_variants import (
 from models.attention.dca import dual_chunk_attention
 from models.gpt import build_gpt, transformer_config
 from tests.conftest import FAST, compose_config, read_metrics, run_cli, spawn
-from tests.test_eval import _NoSweep
 from trainer import eval as eval_entry
 from trainer.config import AttentionConfig, ModelConfig
 from trainer.distributed import shutdown
@@ -288,8 +287,7 @@ def test_seq_length_must_split_into_2cp_pieces(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1_and_evaluates(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1_and_evaluates(tmp_path: Path) -> None:
     common = FAST + ["trainer.max_steps=4", "trainer.save_interval=2"]
     run_cli(common + ["hydra.run.dir=cp2", "parallel.cp=2"], cwd=tmp_path, nproc=2)
     ckpt = tmp_path / "cp2" / "checkpoints" / "iter_0000002"
@@ -301,7 +299,6 @@ def test_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1_and_evaluates(
     assert [r["loss"] for r in at_cp2] == [r["loss"] for r in cp2[2:]]
     for a, b in zip(at_cp1, at_cp2, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
-    monkeypatch.setattr(eval_entry.HydraConfig, "get", staticmethod(lambda: _NoSweep()))
     (tmp_path / "eval").mkdir()
     results = eval_entry.evaluate(compose_config([
         f"checkpoint.load={ckpt}", "eval.lengths=[128]", "eval.depths=[0.5]",

@@ -79,6 +79,12 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size() -> None:
     assert all(p.perplexity == pytest.approx(257, rel=1e-5) for p in points)
 
 
+class _NoSweep:
+    """HydraConfig outside a Hydra app, as wandb grouping in trainer.eval reads it: no sweep."""
+
+    mode = None
+
+
 def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer import eval as eval_entry
@@ -102,18 +108,12 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
     assert list((out / "wandb").glob("offline-run-*"))
 
 
-class _NoSweep:
-    mode = None
-
-
-def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch
-                                                               ) -> None:
+def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training,
+                                                               tmp_path: Path) -> None:
     from trainer import eval as eval_entry
     from trainer.checkpoint import CheckpointMismatchError
 
     run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
-    monkeypatch.setattr(eval_entry.HydraConfig, "get", staticmethod(lambda: _NoSweep()))
     cfg = compose_config(["+attention=head_gate", "eval.lengths=[128]", "logger=none",
                           f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}"])
     with pytest.raises(CheckpointMismatchError, match="linear_qkv.weight._gate"):

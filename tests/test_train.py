@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from tests.conftest import read_metrics
+from tests.conftest import read_metrics, spawn
 from trainer.checkpoint import TRACKER, resolve_checkpoint
+from trainer.train import _memory_gb
 
 
 def test_training_reduces_loss_and_writes_outputs(run_training, tmp_path: Path) -> None:
@@ -88,3 +92,16 @@ def test_a_fresh_run_in_a_reused_directory_keeps_old_metrics_aside(run_training,
     assert [r["step"] for r in rows] == [1, 2, 3]
     old = list((tmp_path / "run").glob("metrics.*.jsonl"))
     assert len(old) == 1 and len(old[0].read_text().splitlines()) == 2
+
+
+def _report_memory(root: str) -> None:
+    """Rank r pretends to hold r + 1 GiB and writes what `_memory_gb` reports."""
+    rank = dist.get_rank()
+    rss = SimpleNamespace(rss=(rank + 1) * 2**30)
+    with mock.patch("psutil.Process.memory_info", return_value=rss):
+        Path(root, f"rank{rank}").write_text(repr(_memory_gb(torch.device("cpu"))))
+
+
+def test_logged_memory_is_the_peak_of_the_most_loaded_rank(tmp_path: Path) -> None:
+    spawn(_report_memory, str(tmp_path), world=2, tp=1)
+    assert [float((tmp_path / f"rank{r}").read_text()) for r in range(2)] == [2.0, 2.0]

@@ -27,7 +27,7 @@ from models.attention.cp_variants import (
     cp_dual_chunk_attention,
 )
 from models.attention.dca import dual_chunk_attention
-from tests.conftest import FAST, _free_port, read_metrics, run_cli
+from tests.conftest import FAST, free_port, read_metrics, run_cli
 from tests.test_context_parallel import cp_slice
 
 pytestmark = [pytest.mark.gpu,
@@ -91,7 +91,7 @@ def _check_functions(rank: int, port: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def function_errors(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("cp_gpu")
-    mp.spawn(_check_functions, args=(_free_port(), str(root)), nprocs=2)
+    mp.spawn(_check_functions, args=(free_port(), str(root)), nprocs=2)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
