@@ -1,7 +1,9 @@
 """Checkpoint tools: `python -m ckpt {inspect,verify,reshape,export,import}` (see `--help`).
 
-`ckpt.reader` reads torch_dist checkpoints safely (no model, no code run); the trainer uses it
-to check a checkpoint before loading it. The command modules import the trainer and models.
+The checkpoint format lives here: `paths` (layout of a checkpoints root), `state` (what a
+training checkpoint holds), `save` (crash-safe writes), `load` (checked loads), `reader` (safe
+reading without a model or code run) and the tools built on them. `ckpt` imports `models` and
+`parallel`, never `trainer`.
 """
 
 import warnings

@@ -10,8 +10,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ckpt.layout import tp_layout
+from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint
-from trainer.checkpoint import resolve_checkpoint
 
 MODEL_WEIGHT = "embedding.word_embeddings.weight"
 

@@ -30,19 +30,15 @@ from tqdm import tqdm
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.inspect import MODEL_WEIGHT, format_table
 from ckpt.layout import checked_layout, is_optimizer_key
+from ckpt.load import CheckpointMismatchError, expected_entries, open_checked, template_mismatches
+from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint
+from ckpt.save import write_checkpoint
 from ckpt.verify import compare
-from models.gpt import build_gpt, ffn_hidden_size, transformer_config
-from trainer.checkpoint import (
-    CheckpointMismatchError,
-    expected_entries,
-    open_checked,
-    resolve_checkpoint,
-    template_mismatches,
-    write_checkpoint,
-)
-from trainer.cpu_mode import enable_cpu_mode
-from trainer.distributed import initialize_parallel, shutdown
+from models.gpt import BuildOptions, build_model, ffn_hidden_size, transformer_config
+from models.schema import ParallelConfig
+from parallel.cpu_mode import enable_cpu_mode
+from parallel.distributed import initialize_parallel, shutdown
 
 
 class ReshapeError(RuntimeError):
@@ -146,15 +142,8 @@ def _worker(rank: int, tp: int, store: str, src: str, out_root: str, model_only:
     stages = tqdm(total=3, desc=f"reshape ({tp} ranks)", disable=rank != 0)
     try:
         ckpt = open_checked(src)  # files, CRCs and pickles: each rank checks a share
-        cfg = ckpt.config
-        initialize_parallel(torch.device("cpu"), tp, cfg.trainer.seed)
-        weights = ckpt.tensors[MODEL_WEIGHT]
-        config = transformer_config(cfg.model, cfg.attention, tp=tp,
-                                    bf16=weights.dtype == torch.bfloat16)
-        model = build_gpt(config, weights.shape[0], cfg.trainer.seq_length,
-                          cfg.model.untie_embeddings)
-        if config.bf16:  # every parameter, norms too, as training's Float16Module casts them
-            model.bfloat16()
+        initialize_parallel(torch.device("cpu"), tp, ckpt.config.trainer.seed)
+        model = _rebuild_model(ckpt, tp)
         buffers: dict[tuple[str, str], torch.Tensor] = {}
 
         def template() -> dict[str, Any]:
@@ -165,31 +154,55 @@ def _worker(rank: int, tp: int, store: str, src: str, out_root: str, model_only:
                                 "optimizer": _optimizer_entries(model_sd, ckpt, buffers)}}
 
         stages.update()
-        load = template()
-        mismatches = template_mismatches(ckpt, load, with_optimizer=not model_only)
-        if mismatches:
-            raise CheckpointMismatchError("the model rebuilt from the saved config does not fit "
-                                          "the checkpoint:\n  " + "\n  ".join(mismatches))
-        loaded = dist_checkpointing.load(load, src)["sharded"]
-        model.load_state_dict(loaded["model"])
-        for (name, sd_key), local in buffers.items():  # factories' merged tensors are new ones
-            local.copy_(loaded["optimizer"][name][sd_key])
+        _load_source(src, ckpt, model, template(), buffers, model_only)
         stages.update()
-
-        common = {k: v for k, v in ckpt.common.items()
-                  if not (model_only and k in ("optimizer", "scheduler"))}
-        cfg.parallel.tp = tp
-        common["extra"] = {**ckpt.extra, "tp": tp, "config": OmegaConf.to_yaml(cfg),
-                           "reshaped_from_tp": ckpt.tp}
-        if model_only:
-            common["extra"]["model_only"] = True
-        # The sharded part sits under its own key: megatron drops containers left empty once
-        # the sharded values are taken out, so common.pt is SRC's common state exactly.
-        write_checkpoint(out_root, ckpt.step, {**common, **template()})
+        write_checkpoint(out_root, ckpt.step, {**_target_common(ckpt, tp, model_only),
+                                               **template()})
         stages.update()
     finally:
         stages.close()
         shutdown()
+
+
+def _rebuild_model(ckpt: Checkpoint, tp: int) -> torch.nn.Module:
+    """The checkpoint's model at TP=`tp` from its saved config, in the dtype it was saved in."""
+    cfg = ckpt.config
+    weights = ckpt.tensors[MODEL_WEIGHT]
+    built = build_model(cfg.model, cfg.attention, ParallelConfig(tp=tp),
+                        vocab_size=weights.shape[0], max_sequence_length=cfg.trainer.seq_length,
+                        options=BuildOptions(bf16=weights.dtype == torch.bfloat16))
+    if built.config.bf16:  # every parameter, norms too, as training's Float16Module casts them
+        built.gpt.bfloat16()
+    return built.gpt
+
+
+def _load_source(src: str, ckpt: Checkpoint, model: torch.nn.Module, load: dict[str, Any],
+                 buffers: dict[tuple[str, str], torch.Tensor], model_only: bool) -> None:
+    """SRC's tensors into this rank's shards: the model's, and the optimizer's into `buffers`."""
+    mismatches = template_mismatches(ckpt, load, with_optimizer=not model_only)
+    if mismatches:
+        raise CheckpointMismatchError("the model rebuilt from the saved config does not fit "
+                                      "the checkpoint:\n  " + "\n  ".join(mismatches))
+    loaded = dist_checkpointing.load(load, src)["sharded"]
+    model.load_state_dict(loaded["model"])
+    for (name, sd_key), local in buffers.items():  # factories' merged tensors are new ones
+        local.copy_(loaded["optimizer"][name][sd_key])
+
+
+def _target_common(ckpt: Checkpoint, tp: int, model_only: bool) -> dict[str, Any]:
+    """SRC's common state (step, data position, scheduler...) with the config set to TP=`tp`.
+
+    The sharded part is saved under its own key: megatron drops containers left empty once the
+    sharded values are taken out, so common.pt is SRC's common state exactly."""
+    cfg = ckpt.config
+    common = {k: v for k, v in ckpt.common.items()
+              if not (model_only and k in ("optimizer", "scheduler"))}
+    cfg.parallel.tp = tp
+    common["extra"] = {**ckpt.extra, "tp": tp, "config": OmegaConf.to_yaml(cfg),
+                       "reshaped_from_tp": ckpt.tp}
+    if model_only:
+        common["extra"]["model_only"] = True
+    return common
 
 
 def reshape(src: str | Path, dst: str | Path, tp: int, *, dry_run: bool = False,

@@ -10,8 +10,8 @@ import torch
 from tqdm import tqdm
 
 from ckpt.inspect import format_table, human_bytes
+from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint, CheckpointError
-from trainer.checkpoint import resolve_checkpoint
 
 
 def check(ckpt: Checkpoint, progress: bool = True) -> list[str]:

@@ -31,10 +31,11 @@ from tqdm import tqdm
 
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.layout import TPLayout, checked_layout, is_stacked
+from ckpt.paths import resolve_checkpoint
 from ckpt.plain import decode, encode
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint, object_location
-from trainer.checkpoint import resolve_checkpoint, write_checkpoint
-from trainer.distributed import init_process_group
+from ckpt.save import write_checkpoint
+from parallel.distributed import init_process_group
 
 FORMAT, VERSION, DRIVER = "longctx-zarr", 1, "zarr3"
 MANIFEST = "manifest.json"

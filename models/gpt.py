@@ -1,9 +1,14 @@
-"""Build a megatron `GPTModel` from our typed model and attention configs."""
+"""The one model factory: a megatron `GPTModel` from typed model, attention and parallel configs.
+
+`build_model` is what the trainer, `trainer.eval` and `python -m ckpt` call; `transformer_config`
+and `build_gpt` are its two steps (the megatron config, then the module tree).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -11,8 +16,33 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
 from models.config import LongContextConfig
+from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from models.spec import block_spec, no_rope_pattern
-from trainer.config import AttentionConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How the model runs, as opposed to what it is: precision, device, recomputation, fusions.
+
+    Field names are `transformer_config`'s keywords (see `TrainerConfig` for their meaning).
+    """
+
+    bf16: bool = False
+    on_gpu: bool = False
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ()
+    recompute_num_layers: int = 0
+    recompute_keep_attention: bool = False
+    fused_norm: bool = False
+
+
+@dataclass
+class BuiltModel:
+    """A freshly built model and what its callers need beside it."""
+
+    gpt: GPTModel
+    config: LongContextConfig
+    vocab_size: int  # the padded vocabulary: rows of the embedding and output layer
 
 
 def ffn_hidden_size(model: ModelConfig) -> int:
@@ -136,3 +166,18 @@ def build_gpt(config: LongContextConfig, vocab_size: int, max_sequence_length: i
         position_embedding_type="rope",
         rotary_base=config.rope_theta,
     )
+
+
+def build_model(model: ModelConfig, attention: AttentionConfig, parallel: ParallelConfig, *,
+                vocab_size: int, max_sequence_length: int,
+                options: BuildOptions = BuildOptions()) -> BuiltModel:
+    """The GPT for a model shape, attention variant and parallel layout, on the GPU when
+    `options.on_gpu`. `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it
+    is padded as every TP size pads it, so checkpoints keep one embedding shape."""
+    vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
+    config = transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp,
+                                sequence_parallel=parallel.sequence_parallel, **asdict(options))
+    gpt = build_gpt(config, vocab, max_sequence_length, model.untie_embeddings)
+    if options.on_gpu:
+        gpt.cuda()
+    return BuiltModel(gpt, config, vocab)

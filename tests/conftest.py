@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
+from parallel.distributed import initialize_parallel, shutdown
 from trainer.config import register_configs
-from trainer.distributed import initialize_parallel, shutdown
 
 register_configs()
 

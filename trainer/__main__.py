@@ -17,8 +17,8 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from parallel.distributed import init_process_group, resolve_device
 from trainer.config import register_configs
-from trainer.distributed import init_process_group, resolve_device
 
 register_configs()
 # Long-context steps allocate a few huge activation blocks; expandable segments keep the caching

@@ -32,23 +32,21 @@ log = logging.getLogger(__name__)
 
 
 def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.device):
+    """The checkpoint's model shape with this command's attention, weights loaded (checked)."""
     from megatron.core.transformer.module import Float16Module
 
-    from models.gpt import build_gpt, padded_vocab_size, transformer_config
-    from trainer.checkpoint import load_model_weights
+    from ckpt.load import load_model_weights
+    from models.gpt import BuildOptions, build_model
     from trainer.data import load_tokenizer
 
     tokenizer = load_tokenizer(saved.data.tokenizer)
-    vocab = padded_vocab_size(tokenizer.vocab_size, saved.model.make_vocab_size_divisible_by,
-                              cfg.parallel.tp)
-    bf16 = device.type == "cuda" and cfg.trainer.precision != "fp32"
-    config = transformer_config(saved.model, cfg.attention, tp=cfg.parallel.tp, bf16=bf16,
-                                on_gpu=device.type == "cuda")
-    gpt = build_gpt(config, vocab, max(cfg.eval.lengths), saved.model.untie_embeddings)
-    if device.type == "cuda":
-        gpt.cuda()
-    load_model_weights(ckpt, gpt)
-    model = Float16Module(config, gpt) if bf16 else gpt
+    options = BuildOptions(bf16=device.type == "cuda" and cfg.trainer.precision != "fp32",
+                           on_gpu=device.type == "cuda")
+    built = build_model(saved.model, cfg.attention, cfg.parallel,
+                        vocab_size=tokenizer.vocab_size,
+                        max_sequence_length=max(cfg.eval.lengths), options=options)
+    load_model_weights(ckpt, built.gpt)
+    model = Float16Module(built.config, built.gpt) if options.bf16 else built.gpt
     return model.eval(), tokenizer
 
 
@@ -115,9 +113,10 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
-    from trainer.checkpoint import resolve_checkpoint, saved_extra
+    from ckpt.load import saved_extra
+    from ckpt.paths import resolve_checkpoint
+    from parallel.distributed import initialize_parallel, resolve_device, shutdown
     from trainer.data import build_datasets
-    from trainer.distributed import initialize_parallel, resolve_device, shutdown
     from trainer.evaluate import passkey_accuracy, perplexity_by_length
 
     check_known_keys(cfg)

@@ -13,17 +13,15 @@ import psutil
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_batch_on_this_cp_rank
 from omegaconf import DictConfig, OmegaConf
 
+from ckpt.load import load_checkpoint
+from ckpt.paths import resolve_checkpoint
+from ckpt.save import save_checkpoint
 from models.flops import peak_tflops, training_flops_per_sequence
-from models.gpt import build_gpt, padded_vocab_size, transformer_config
-from trainer.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from trainer.config import check_known_keys
-from trainer.data import DataIterator, build_datasets, validation_batches
-from trainer.distributed import (
+from models.gpt import BuildOptions, build_model
+from parallel.distributed import (
     Topology,
     all_reduce_mean,
     initialize_parallel,
@@ -31,9 +29,11 @@ from trainer.distributed import (
     shutdown,
     wrap_model,
 )
+from trainer.config import check_known_keys
+from trainer.data import DataIterator, build_datasets, validation_batches
 from trainer.metrics import MetricsLogger
+from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
-from trainer.perf import use_fused_adam
 
 log = logging.getLogger(__name__)
 
@@ -102,86 +102,79 @@ def _memory_gb(device: torch.device) -> float:
 
 
 class Trainer:
-    """One training run; `run()` returns the final metrics row."""
+    """One training run; `run()` returns the final metrics row.
+
+    Setup reads top-down: the process layout, the data, the model, the optimizer and schedule,
+    then (when asked) the checkpoint to resume from, then logging and the data position.
+    """
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
-        t = cfg.trainer
-        self.device = resolve_device(t.device)
-        if t.seq_length % (2 * cfg.parallel.cp):
-            raise ValueError(f"trainer.seq_length ({t.seq_length}) must be divisible by 2 x "
-                             f"parallel.cp ({cfg.parallel.cp}): each CP rank holds two pieces")
-        self.topo: Topology = initialize_parallel(self.device, cfg.parallel.tp, t.seed,
-                                                  cfg.parallel.cp)
-        self.micro_batches = _num_microbatches(cfg, self.topo.dp)
-
-        self.train_ds, self.valid_ds, tokenizer = build_datasets(
-            cfg.data.name, cfg.data.path, cfg.data.tokenizer, t.seq_length,
-            cfg.data.valid_fraction, t.seed, cfg.data.max_documents,
-        )
-        if cfg.data.passkey_fraction > 0:
-            self.train_ds = PasskeyMixDataset(self.train_ds, tokenizer, cfg.data.passkey_fraction,
-                                              t.seq_length, t.seed)
-        self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
-                                            cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
-        bf16 = _precision_is_bf16(t.precision, self.device)
-        self.model_config = transformer_config(
-            cfg.model, cfg.attention, tp=cfg.parallel.tp, cp=cfg.parallel.cp,
-            sequence_parallel=cfg.parallel.sequence_parallel, bf16=bf16,
-            on_gpu=self.device.type == "cuda", recompute=t.recompute,
-            recompute_modules=t.recompute_modules, recompute_num_layers=t.recompute_num_layers,
-            recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
-        )
-        gpt = build_gpt(self.model_config, self.vocab_size, t.seq_length,
-                        cfg.model.untie_embeddings)
-        if self.device.type == "cuda":
-            gpt.cuda()
-        self.model = wrap_model(gpt, distributed_optimizer=cfg.parallel.distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.grad_clip,
-                bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-            ),
-            [self.model],
-        )
-        use_fused_adam(self.optimizer)  # CUDA only: one pass per step instead of foreach's many
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.max_steps,
-            lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
-            wd_incr_steps=t.max_steps, wd_incr_style="constant",
-        )
-        self.flops_per_step = t.global_batch_size * training_flops_per_sequence(
-            num_layers=self.model_config.num_layers, hidden_size=self.model_config.hidden_size,
-            num_attention_heads=self.model_config.num_attention_heads,
-            num_query_groups=self.model_config.num_query_groups,
-            kv_channels=self.model_config.kv_channels,
-            ffn_hidden_size=self.model_config.ffn_hidden_size, swiglu=cfg.model.swiglu,
-            vocab_size=self.vocab_size, seq_length=t.seq_length,
-            head_wise_gate=cfg.attention.head_wise_attn_gate,
-        )
-        self.peak = peak_tflops(self.device)
+        self.device = resolve_device(cfg.trainer.device)
+        self._setup_parallel()
+        tokenizer = self._setup_data()
+        self._setup_model(tokenizer.vocab_size)
+        self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.consumed_samples = 0
-        wandb_id = None
-        if cfg.checkpoint.load:
-            wandb_id = self._resume(cfg.checkpoint.load)
+        wandb_id = self._resume(cfg.checkpoint.load) if cfg.checkpoint.load else None
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
             config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
         )
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
-            self.train_ds, t.micro_batch_size, t.seed, self.consumed_samples,
+            self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
             self.topo.dp_rank, self.topo.dp,
         )
-        n_params = sum(p.numel() for p in gpt.parameters())
+
+    def _setup_parallel(self) -> None:
+        """Process groups and megatron's parallel state; micro-batches per step."""
+        t, p = self.cfg.trainer, self.cfg.parallel
+        if t.seq_length % (2 * p.cp):
+            raise ValueError(f"trainer.seq_length ({t.seq_length}) must be divisible by 2 x "
+                             f"parallel.cp ({p.cp}): each CP rank holds two pieces")
+        self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp)
+        self.micro_batches = _num_microbatches(self.cfg, self.topo.dp)
+
+    def _setup_data(self):
+        """Training and validation datasets (with passkey samples mixed in when asked)."""
+        d, t = self.cfg.data, self.cfg.trainer
+        self.train_ds, self.valid_ds, tokenizer = build_datasets(
+            d.name, d.path, d.tokenizer, t.seq_length, d.valid_fraction, t.seed, d.max_documents)
+        if d.passkey_fraction > 0:
+            self.train_ds = PasskeyMixDataset(self.train_ds, tokenizer, d.passkey_fraction,
+                                              t.seq_length, t.seed)
+        return tokenizer
+
+    def _setup_model(self, vocab_size: int) -> None:
+        """The GPT from the one factory, wrapped in megatron's DDP; its FLOPs per step."""
+        cfg, t = self.cfg, self.cfg.trainer
+        options = BuildOptions(
+            bf16=_precision_is_bf16(t.precision, self.device), on_gpu=self.device.type == "cuda",
+            recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
+            recompute_num_layers=t.recompute_num_layers,
+            recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
+        )
+        built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
+                            max_sequence_length=t.seq_length, options=options)
+        self.model_config, self.vocab_size = built.config, built.vocab_size
+        self.model = wrap_model(built.gpt, distributed_optimizer=cfg.parallel.distributed_optimizer)
+        c = built.config
+        self.flops_per_step = t.global_batch_size * training_flops_per_sequence(
+            num_layers=c.num_layers, hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
+            kv_channels=c.kv_channels, ffn_hidden_size=c.ffn_hidden_size,
+            swiglu=cfg.model.swiglu, vocab_size=built.vocab_size, seq_length=t.seq_length,
+            head_wise_gate=cfg.attention.head_wise_attn_gate,
+        )
+        self.peak = peak_tflops(self.device)
         log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d cp=%d dp=%d, %s%s",
-                 cfg.model.name, n_params / 1e6, cfg.attention.kind, self.topo.tp, self.topo.cp,
-                 self.topo.dp, self.device.type, " bf16" if bf16 else " fp32")
+                 cfg.model.name, sum(p.numel() for p in built.gpt.parameters()) / 1e6,
+                 cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.dp,
+                 self.device.type, " bf16" if c.bf16 else " fp32")
 
     def _resume(self, path: str) -> str | None:
         ckpt = resolve_checkpoint(path)

@@ -28,7 +28,7 @@ from models.attention.cp_variants import (
 )
 from models.attention.dca import dual_chunk_attention
 from tests.conftest import FAST, free_port, read_metrics, run_cli
-from tests.test_context_parallel import cp_slice
+from tests.models.test_context_parallel import cp_slice
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]

@@ -16,9 +16,9 @@ import torch  # noqa: E402
 
 from models.fused import FusedRMSNorm  # noqa: E402
 from models.gpt import build_gpt, transformer_config  # noqa: E402
+from parallel.distributed import initialize_parallel, shutdown  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 from trainer.config import AttentionConfig, ModelConfig  # noqa: E402
-from trainer.distributed import initialize_parallel, shutdown  # noqa: E402
 from trainer.train import train  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,

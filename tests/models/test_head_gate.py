@@ -17,9 +17,9 @@ from models.attention.head_gate import HeadGatedSelfAttention, fused_init
 from models.config import LongContextConfig
 from models.flops import training_flops_per_sequence
 from models.gpt import build_gpt, transformer_config
+from models.schema import AttentionConfig, ModelConfig
 from models.spec import layer_spec
 from tests.conftest import compose_config, spawn
-from trainer.config import AttentionConfig, ModelConfig
 
 SEQ, BATCH, HIDDEN = 12, 2, 32
 

@@ -17,16 +17,13 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from ckpt.__main__ import main
+from ckpt.load import CheckpointMismatchError, load_checkpoint
+from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint, CheckpointError, object_location
+from ckpt.save import write_checkpoint
 from ckpt.zarr_export import load_manifest
+from parallel.distributed import init_process_group, shutdown
 from tests.conftest import FAST, REPO, compose_config
-from trainer.checkpoint import (
-    CheckpointMismatchError,
-    load_checkpoint,
-    resolve_checkpoint,
-    write_checkpoint,
-)
-from trainer.distributed import init_process_group, shutdown
 from trainer.train import Trainer, train
 
 

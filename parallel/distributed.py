@@ -1,4 +1,5 @@
-"""Process groups, model parallelism and the model wrappers (kept apart from the model code)."""
+"""Process groups, megatron's model-parallel state and the model wrappers (kept apart from the
+model code, which only builds modules)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
-from trainer.cpu_mode import enable_cpu_mode
+from parallel.cpu_mode import enable_cpu_mode
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from ckpt.paths import TRACKER, resolve_checkpoint
 from tests.conftest import read_metrics, spawn
-from trainer.checkpoint import TRACKER, resolve_checkpoint
 from trainer.train import _memory_gb
 
 

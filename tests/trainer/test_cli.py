@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.paths import resolve_checkpoint
 from tests.conftest import FAST, assert_tp2_checkpoint_resumes_at_tp1_and_tp2, read_metrics, run_cli
-from trainer.checkpoint import resolve_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -30,10 +30,10 @@ from models.attention.cp_variants import (
 )
 from models.attention.dca import dual_chunk_attention
 from models.gpt import build_gpt, transformer_config
+from models.schema import AttentionConfig, ModelConfig
+from parallel.distributed import shutdown
 from tests.conftest import FAST, compose_config, read_metrics, run_cli, spawn
 from trainer import eval as eval_entry
-from trainer.config import AttentionConfig, ModelConfig
-from trainer.distributed import shutdown
 from trainer.train import _loss, train
 
 WORLD = 4

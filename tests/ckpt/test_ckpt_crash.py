@@ -13,8 +13,8 @@ import pytest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from ckpt.__main__ import main
+from ckpt.paths import checkpoint_name, resolve_checkpoint
 from tests.conftest import FAST, compose_config, read_metrics
-from trainer.checkpoint import checkpoint_name, resolve_checkpoint
 from trainer.train import Trainer
 
 pytestmark = pytest.mark.slow

@@ -11,10 +11,10 @@ import torch
 
 from ckpt.__main__ import main
 from ckpt.layout import tp_layout
+from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from ckpt.zarr_export import load_manifest, read_rank_shard
 from tests.conftest import FAST, compose_config, read_metrics, run_cli
-from trainer.checkpoint import resolve_checkpoint
 from trainer.train import train
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_reshaped_checkpoint_resumes_at_another_tp_with_the_same_next_step_loss(
     overrides, cwd, targets = tp2
     src = cwd / "tp2" / "checkpoints" / "iter_0000003"
     # The TP=2 run's own step 4 is what resuming it at TP=2 gives: on CPU a resume reproduces
-    # the uninterrupted run exactly (tests/test_cli.py).
+    # the uninterrupted run exactly (tests/trainer/test_cli.py).
     expected = read_metrics(cwd / "tp2")[3]["loss"]
     for tp in targets:
         dst = cwd / f"reshaped_tp{tp}"

@@ -110,8 +110,8 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
 
 def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training,
                                                                tmp_path: Path) -> None:
+    from ckpt.load import CheckpointMismatchError
     from trainer import eval as eval_entry
-    from trainer.checkpoint import CheckpointMismatchError
 
     run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
     cfg = compose_config(["+attention=head_gate", "eval.lengths=[128]", "logger=none",

@@ -19,9 +19,9 @@ from megatron.core.transformer.module import MegatronModule
 
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.gpt import build_gpt, transformer_config
+from models.schema import AttentionConfig, ModelConfig
+from parallel.distributed import initialize_parallel
 from tests.conftest import FAST, assert_tp2_checkpoint_resumes_at_tp1_and_tp2, run_cli, spawn
-from trainer.config import AttentionConfig, ModelConfig
-from trainer.distributed import initialize_parallel
 
 VOCAB, SEQ = 128, 16
 SHAPES = {  # both allow TP=4: heads and query groups divide by 4

@@ -9,8 +9,8 @@ import torch
 from bench.train import matches, merge_overrides
 from models.fused import FusedRMSNorm
 from models.gpt import build_gpt, transformer_config
-from trainer.config import AttentionConfig, ModelConfig
-from trainer.distributed import initialize_parallel, shutdown
+from models.schema import AttentionConfig, ModelConfig
+from parallel.distributed import initialize_parallel, shutdown
 from trainer.perf import use_fused_adam
 
 

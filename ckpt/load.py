@@ -1,0 +1,175 @@
+"""Load a training checkpoint, checked before any weight is touched.
+
+A load first checks the checkpoint (`ckpt.reader`): every file present and long enough, every
+item's CRC, every pickle parsed with an allowlist, and every tensor the model asks for present
+with the model's global shape, plus the saved model settings. Only then is anything copied into
+the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+from ckpt.reader import Checkpoint, CheckpointError
+from ckpt.state import rng_key, set_rng_state, training_state
+from models.gpt import transformer_config
+from parallel.distributed import unwrap_model
+
+log = logging.getLogger(__name__)
+
+# Settings that decide the parameters; a mismatch may keep every shape (heads x head size).
+ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "ffn_hidden_size", "gated_linear_unit", "normalization",
+                "add_qkv_bias", "head_wise_attn_gate")
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's tensors do not fit the model it is loaded into (nothing was loaded)."""
+
+
+def saved_extra(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """The plain-Python part of a checkpoint (step, config, data position, wandb id)."""
+    return Checkpoint(ckpt_dir).extra
+
+
+def open_checked(ckpt_dir: str | os.PathLike) -> Checkpoint:
+    """The checkpoint, checked on every rank (collective): files present and long enough, CRCs
+    (each rank checks a share of the items) and pickles. Raises `CheckpointError` listing every
+    problem on every rank, so no rank goes on to wait for the others."""
+    problems: list[str] = []
+    ckpt = None
+    try:
+        ckpt = Checkpoint(ckpt_dir)
+        problems = ckpt.check_files()
+        if not problems:
+            problems = ckpt.audit((dist.get_rank(), dist.get_world_size()))
+    except CheckpointError as e:
+        problems = [str(e)]
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, problems)
+    found = sorted({p for rank_problems in everyone for p in rank_problems})
+    if found or ckpt is None:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is damaged or unsafe to load:\n  "
+                              + "\n  ".join(found))
+    return ckpt
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
+                    scheduler: Any) -> dict[str, Any]:
+    """Load model, optimizer, scheduler and (when saved at this TP size) RNG state; returns
+    `extra`.
+
+    Model and optimizer state reshard to the current TP size; RNG states are per TP rank and are
+    restored only when the checkpoint holds them for the current TP size.
+    """
+    ckpt = open_checked(ckpt_dir)
+    extra = ckpt.extra
+    if optimizer is not None and extra.get("model_only"):
+        raise CheckpointError(f"{ckpt_dir} holds model weights only (written by `python -m ckpt "
+                              "reshape --model-only`): there is no optimizer state to resume from")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    with_rng = any(key.startswith(rng_key(tp) + "/") for key in ckpt.objects)
+    template = training_state(model, optimizer, is_loading=True, with_rng=with_rng)
+    mismatches = architecture_mismatches(ckpt, unwrap_model(model).config)
+    mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None)
+    loaded = _load_if_fits(ckpt_dir, template, mismatches)
+    unwrap_model(model).load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if "scheduler" in loaded:  # not in model-only checkpoints
+        scheduler.load_state_dict(loaded["scheduler"])
+    if with_rng:
+        set_rng_state(loaded["rng_state"])
+    else:
+        log.info("the checkpoint holds no RNG states for TP=%d: they start fresh", tp)
+    return extra
+
+
+def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+    """Model weights only (evaluation), with `load_checkpoint`'s file and shape checks; the
+    model's attention variant may differ from the saved one as long as its tensors match.
+    Returns `extra`."""
+    ckpt = open_checked(ckpt_dir)
+    template = training_state(model, None, is_loading=True, with_rng=False)
+    mismatches = template_mismatches(ckpt, template, with_optimizer=False)
+    unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
+    return ckpt.extra
+
+
+def _load_if_fits(ckpt_dir: str | os.PathLike, template: dict[str, Any],
+                  mismatches: list[str]) -> dict[str, Any]:
+    """Refuse before touching any weight if the checkpoint does not fit, else load."""
+    if mismatches:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} does not fit this model (nothing was loaded):\n  "
+            + "\n  ".join(mismatches))
+    try:
+        return dist_checkpointing.load(template, str(ckpt_dir))
+    except Exception as e:
+        raise CheckpointError(f"loading {ckpt_dir} failed: {type(e).__name__}: {e}") from e
+
+
+def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:
+    """Model settings that differ between the checkpoint's saved config and `config`."""
+    if "config" not in ckpt.extra:
+        return []
+    saved = ckpt.config
+    try:
+        saved_config = transformer_config(saved.model, saved.attention)
+    except (AttributeError, KeyError, ValueError) as e:  # a config from another schema version
+        log.warning("cannot rebuild the checkpoint's model config (%s): checking tensors only", e)
+        return []
+    return [f"model setting {name}: checkpoint {getattr(saved_config, name)}, this model "
+            f"{getattr(config, name)}"
+            for name in ARCHITECTURE if getattr(saved_config, name) != getattr(config, name)]
+
+
+def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *,
+                        with_optimizer: bool) -> list[str]:
+    """Tensors and objects a load of `template` would ask for that the checkpoint lacks or holds
+    at another global shape, and model (and optimizer) tensors the template would leave behind."""
+    tensors, objects = expected_entries(template)
+    problems = []
+    for key, shape in sorted(tensors.items()):
+        info = ckpt.tensors.get(key)
+        if info is None:
+            problems.append(f"{key}: not in the checkpoint (the model has {list(shape)})")
+        elif info.shape != shape:
+            problems.append(f"{key}: checkpoint {list(info.shape)}, model {list(shape)}")
+    for key in sorted(set(ckpt.tensors) - set(tensors)):
+        if with_optimizer or not key.startswith("optimizer."):
+            problems.append(f"{key}: in the checkpoint {list(ckpt.tensors[key].shape)}, not in "
+                            "the model")
+    problems += [f"{key}: object not in the checkpoint"
+                 for key in sorted(objects - set(ckpt.objects))]
+    return problems
+
+
+def expected_entries(template: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Global shapes of the tensors and keys of the objects a sharded state dict stores (its
+    factories built, as megatron does when loading; the template is left as it is)."""
+    tensors: dict[str, tuple[int, ...]] = {}
+    objects: set[str] = set()
+    pending = list(nested_values(template))
+    while pending:
+        value = pending.pop()
+        if isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            pending.extend(nested_values(built) if isinstance(built, (dict, list)) else [built])
+        elif isinstance(value, ShardedTensor):
+            tensors[value.key] = tuple(value.global_shape)
+        elif isinstance(value, ShardedObject):
+            objects.add(value.unique_key)
+    return tensors, objects

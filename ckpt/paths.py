@@ -1,0 +1,34 @@
+"""Where checkpoints live under a checkpoints root, and which one a path means.
+
+    iter_0000020/                     one complete checkpoint per save
+    latest_checkpointed_iteration.txt the newest *complete* step, replaced atomically
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoints root (its latest complete checkpoint) or one `iter_*` directory."""
+    path = Path(path)
+    if (path / TRACKER).is_file():
+        step = int((path / TRACKER).read_text().strip())
+        ckpt = path / checkpoint_name(step)
+        if not (ckpt / "metadata.json").is_file():
+            raise FileNotFoundError(f"{path / TRACKER} names step {step}, but {ckpt} is missing "
+                                    "or incomplete")
+        return ckpt
+    if re.fullmatch(r"iter_\d+", path.name) and (path / "metadata.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"{path} is neither a checkpoints root (no {TRACKER}) nor a complete iter_* checkpoint"
+    )

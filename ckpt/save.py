@@ -1,0 +1,133 @@
+"""Save a training checkpoint crash-safely (megatron `dist_checkpointing`, torch_dist backend).
+
+A save goes to `iter_XXXXXXX.tmp/`, is fsynced and renamed when every rank has written, and only
+then the tracker moves, so a crash (even SIGKILL) mid-save leaves the previous checkpoint as the
+one that loads. If one of megatron's writer processes dies, the save fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from ckpt.paths import TRACKER, checkpoint_name
+from ckpt.state import training_state
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: Any,
+                    scheduler: Any, extra: dict[str, Any], thread_count: int = 1) -> Path:
+    """Write `root/iter_<step>` atomically; `extra` (step, data position, config, wandb id...)
+    holds only plain Python values and tensors so it loads with `weights_only=True`."""
+    state = training_state(model, optimizer, is_loading=False, with_rng=True)
+    state["scheduler"] = scheduler.state_dict()
+    state["extra"] = extra
+    return write_checkpoint(root, step, state, thread_count)
+
+
+def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
+                     thread_count: int = 1) -> Path:
+    """Save a sharded state dict as `root/iter_<step>` (collective): temporary directory, fsync,
+    rename, then the tracker."""
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / (checkpoint_name(step) + ".tmp")
+    if dist.get_rank() == 0:
+        if tmp.exists():  # left by a crashed save: never part of a complete checkpoint
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
+    with _fail_if_a_child_dies(f"writing {tmp}"):
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
+    dist.barrier()
+
+    if dist.get_rank() == 0:
+        _fsync_tree(tmp)
+        old = root / (checkpoint_name(step) + ".old")
+        if final.exists():  # re-saving a step: keep the old one until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _write_tracker(root, step)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+@contextlib.contextmanager
+def _fail_if_a_child_dies(doing: str) -> Iterator[None]:
+    """Raise if a child process is killed while `doing`.
+
+    megatron's writer forks one process per file and waits on a queue for it; if that process
+    is killed (OOM killer, a signal) the wait never ends. SIGCHLD interrupts the wait, and the
+    handler raises. Only in the main thread (Python runs signal handlers there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    dead_before = {pid for pid, _ in _killed_children()}
+
+    def on_child(signum: int, frame: Any) -> None:
+        for pid, sig in _killed_children():
+            if pid not in dead_before:
+                raise RuntimeError(f"a checkpoint writer process (pid {pid}) was killed by signal "
+                                   f"{sig} while {doing}; the previous checkpoint is intact")
+
+    previous = signal.signal(signal.SIGCHLD, on_child)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def _killed_children() -> list[tuple[int, int]]:
+    """(pid, signal) of this process's children killed by a signal and not yet reaped."""
+    killed = []
+    for child in psutil.Process().children():
+        try:  # WNOWAIT: look, but leave the child for multiprocessing to reap
+            info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            continue
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            killed.append((child.pid, info.si_status))
+    return killed
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush a checkpoint's files and directory entries to disk before it is published."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tracker(root: Path, step: int) -> None:
+    tmp = root / (TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / TRACKER)
+    _fsync_dir(root)

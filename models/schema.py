@@ -1,0 +1,56 @@
+"""Typed schema of what a model *is* and how it is laid out: shape, attention variant, parallelism.
+
+These dataclasses are the `model`, `attention` and `parallel` groups of the Hydra config
+(`trainer/config.py` composes them into the run's schema) and the inputs of the one model
+factory, `models.gpt.build_model`. They hold plain values only, so a checkpoint's saved config
+rebuilds the same model anywhere (`ckpt`, `trainer.eval`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape. Sizes live in `conf/model/*.yaml` (the model registry)."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (one group per head)
+    ffn_hidden_size: int | None = None  # None: 4h (or 8h/3 rounded to 64 with SwiGLU)
+    kv_channels: int | None = None  # None: hidden_size / num_attention_heads
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    swiglu: bool = True
+    qkv_bias: bool = False
+    rope_theta: float = 10000.0
+    untie_embeddings: bool = False
+    init_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class AttentionConfig:
+    """Core attention variant. `+attention=<name>` selects one of `conf/attention/*.yaml`."""
+
+    kind: str = "standard"  # standard | dca | chunked
+    dca_chunk_size: int = 8192
+    dca_local_size: int = 1024
+    chunk_size: int = 8192
+    global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
+    head_wise_attn_gate: bool = False
+    head_wise_attn_gate_init_weight_scale: float = 0.1
+    head_wise_attn_gate_init_bias: float = 2.0
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism; data parallelism takes the remaining ranks."""
+
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False

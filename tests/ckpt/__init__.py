@@ -1,0 +1,1 @@
+"""Tests of the checkpoint format and `python -m ckpt`."""

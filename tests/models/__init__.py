@@ -1,0 +1,1 @@
+"""Tests of the model code: attention cores, specs, the model factory."""

@@ -1,0 +1,1 @@
+"""Tests of the training loop, data, evaluation and the Hydra entry points."""
