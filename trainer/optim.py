@@ -1,4 +1,9 @@
-"""The optimizer and learning-rate schedule of a run (megatron's, configured from `trainer.*`)."""
+"""The optimizer and learning-rate schedule of a run (megatron's, configured from `trainer.*`).
+
+Without apex or Transformer Engine megatron-core falls back to `torch.optim.AdamW` in its default
+multi-tensor (foreach) form: several passes over every fp32 state tensor per step. On the GPU
+`use_fused_adam` switches it to torch's fused AdamW, one pass (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,6 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from omegaconf import DictConfig
-
-from trainer.perf import use_fused_adam
 
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, bf16: bool):
@@ -36,3 +39,27 @@ def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
         lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.max_steps, wd_incr_style="constant",
     )
+
+
+def _torch_adams(optimizer: object) -> list[torch.optim.Optimizer]:
+    """The torch Adam/AdamW instances inside a megatron optimizer (chained or not)."""
+    found = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            found.append(inner)
+    return found
+
+
+def use_fused_adam(optimizer: object) -> int:
+    """Switch megatron's torch (Adam)W fallback to torch's fused CUDA kernel; returns how many
+    torch optimizers were switched (0 where a parameter is not a CUDA float tensor, e.g. CPU)."""
+    switched = 0
+    for adam in _torch_adams(optimizer):
+        params = [p for group in adam.param_groups for p in group["params"]]
+        if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+            continue
+        for group in [adam.defaults, *adam.param_groups]:
+            group["fused"], group["foreach"] = True, False
+        switched += 1
+    return switched

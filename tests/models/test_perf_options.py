@@ -11,7 +11,7 @@ from models.fused import FusedRMSNorm
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import initialize_parallel, shutdown
-from trainer.perf import use_fused_adam
+from trainer.optim import use_fused_adam
 
 
 @pytest.fixture
