@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.attention.dca_scaling import DCAScaling
+
 ATTENTION_KINDS = ("standard", "dca", "chunked")
 
 
@@ -17,6 +19,7 @@ class LongContextConfig(TransformerConfig):
     (Llama-4 style local chunks; every `global_layer_interval`-th layer global without RoPE).
     head_wise_attn_gate: a sigmoid gate per head on the attention output, fused into linear_qkv
     (models/attention/head_gate.py); works with every attention kind.
+    dca_scaling*: DCA's length-dependent logit scaling (models/attention/dca_scaling.py).
     recompute_keep_attention: under full recompute, each core attention keeps its output and LSE
     from the first forward instead of running again (models/recompute.py).
     """
@@ -25,6 +28,11 @@ class LongContextConfig(TransformerConfig):
     rope_theta: float = 10000.0
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
+    dca_scaling: str = "none"
+    dca_scaling_parts: str = "all"
+    dca_scaling_attn_scale: float = 0.1
+    dca_scaling_floor_scale: int = 8192
+    dca_scaling_original_length: int | None = None
     attention_chunk_size: int = 8192
     global_layer_interval: int = 0
     head_wise_attn_gate: bool = False
@@ -50,6 +58,9 @@ class LongContextConfig(TransformerConfig):
                              f"(recompute_granularity is {self.recompute_granularity!r})")
         if self.attention_kind == "dca":
             self._validate_dca()
+        elif self.dca_scaling != "none":
+            raise ValueError(f"dca_scaling ({self.dca_scaling!r}) applies to attention kind "
+                             f"'dca', not {self.attention_kind!r}; set dca_scaling to 'none'")
         if self.attention_kind == "chunked":
             self._validate_chunked()
 
@@ -87,6 +98,12 @@ class LongContextConfig(TransformerConfig):
             )
         if self.apply_rope_fusion:
             raise ValueError("apply_rope_fusion must be off with DCA: DCA applies its own RoPE")
+        self.dca_scaling_config()  # its own checks name the bad setting
+
+    def dca_scaling_config(self) -> DCAScaling:
+        """The DCA scaling these settings describe."""
+        return DCAScaling(self.dca_scaling, self.dca_scaling_parts, self.dca_scaling_attn_scale,
+                          self.dca_scaling_floor_scale, self.dca_scaling_original_length)
 
     def _validate_chunked(self) -> None:
         if self.attention_chunk_size <= 0:

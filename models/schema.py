@@ -39,6 +39,12 @@ class AttentionConfig:
     kind: str = "standard"  # standard | dca | chunked
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
+    # Length-dependent logit scaling for DCA (models/attention/dca_scaling.py; defaults: sources)
+    dca_scaling: str = "none"  # none | log (Llama 4) | yarn (Qwen2.5-1M)
+    dca_scaling_parts: str = "all"  # all | succ_inter | inter
+    dca_scaling_attn_scale: float = 0.1
+    dca_scaling_floor_scale: int = 8192  # log only
+    dca_scaling_original_length: int | None = None  # yarn only; None: dca_chunk_size
     chunk_size: int = 8192
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
     head_wise_attn_gate: bool = False

@@ -92,7 +92,11 @@ class EvalConfig:
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 10  # per (length, depth) cell
     passkey_digits: int = 5
+    # Multi-key retrieval in held-out corpus text (trainer/retrieval.py); 0 trials: skipped
+    multikey_trials: int = 10  # per (length, depth) cell
+    multikey_keys: int = 4  # needles per prompt: the asked one and keys - 1 distractors
     perplexity_windows: int = 8  # validation windows per length
+    trained_length: int | None = None  # position buckets 0, T, 2T, ...; None: the checkpoint's
     batch_size: int = 4
     seed: int = 0
 

@@ -2,8 +2,10 @@
 
 Loads a checkpoint's model (its shape and tokenizer come from the config saved in it), builds it
 with the attention variant of *this* command line, so a model trained with standard attention
-can be evaluated with DCA or chunked attention, and measures passkey retrieval accuracy per
-(length, depth) and perplexity per length. Results go to `eval.json`, `passkey.png` and
+can be evaluated with DCA or chunked attention, and measures per (length, depth) the simple
+passkey's accuracy (repeated filler) and multi-key retrieval among distractors in held-out corpus
+text (trainer/retrieval.py), and per length the perplexity, also by position bucket (0..T, T..2T,
+2T..4T, ... with T the trained length). Results go to `eval.json`, `passkey.png` and
 `perplexity.png` in the run directory and, on rank 0, to wandb (tables and plots). A Hydra
 multirun (`-m +attention=dca,chunked`) groups its runs in wandb.
 """
@@ -81,7 +83,7 @@ def _plots(run_dir: Path, label: str, cells: list, points: list) -> dict[str, Pa
 
 
 def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: list,
-               plots: dict[str, Path]) -> None:
+               plots: dict[str, Path], multikey: list) -> None:
     import wandb
 
     from trainer.metrics import start_wandb
@@ -96,11 +98,21 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
                           data=[[label, c.length, c.depth, c.accuracy, c.trials] for c in cells])
     ppl = wandb.Table(columns=["attention", "length", "nll", "perplexity"],
                       data=[[label, p.length, p.nll, p.perplexity] for p in points])
+    multi = wandb.Table(
+        columns=["attention", "length", "depth", "keys", "correct", "distractor", "trials",
+                 "accuracy"],
+        data=[[label, c.length, c.depth, c.keys, c.correct, c.distractor, c.trials, c.accuracy]
+              for c in multikey])
+    buckets = wandb.Table(
+        columns=["attention", "length", "start", "end", "tokens", "nll", "perplexity"],
+        data=[[label, p.length, b.start, b.end, b.tokens, b.nll, b.perplexity]
+              for p in points for b in p.buckets])
     mean = wandb.Table(columns=["length", "accuracy"], data=[
         [n, sum(c.accuracy for c in cells if c.length == n) / sum(c.length == n for c in cells)]
         for n in sorted({c.length for c in cells})])
     run.log({
-        "passkey/table": passkey, "perplexity/table": ppl,
+        "passkey/table": passkey, "perplexity/table": ppl, "multikey/table": multi,
+        "perplexity/by_position": buckets,
         "passkey/accuracy_by_length": wandb.plot.line(mean, "length", "accuracy",
                                                       title=f"passkey: {label}"),
         "perplexity/by_length": wandb.plot.line(ppl, "length", "perplexity",
@@ -115,9 +127,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
     from ckpt.load import saved_extra
     from ckpt.paths import resolve_checkpoint
+    from models.attention.dca_scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, resolve_device, shutdown
     from trainer.data import build_datasets
     from trainer.evaluate import passkey_accuracy, perplexity_by_length
+    from trainer.retrieval import multikey_accuracy
 
     check_known_keys(cfg)
     if not cfg.checkpoint.load:
@@ -134,6 +148,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     try:
         model, tokenizer = _load_model(cfg, saved, ckpt, device)
         label = cfg.attention.kind
+        if label == "dca" and cfg.attention.dca_scaling != "none":
+            a = cfg.attention  # the label carries every scaling constant (defaults or not)
+            label += "+" + describe(DCAScaling(a.dca_scaling, a.dca_scaling_parts,
+                                               a.dca_scaling_attn_scale, a.dca_scaling_floor_scale,
+                                               a.dca_scaling_original_length), a.dca_chunk_size)
         log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
                  "lengths %s", ckpt, extra["step"], saved.attention.kind, label,
                  list(cfg.eval.lengths))
@@ -143,15 +162,22 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                                      saved.data.max_documents)
         cells = passkey_accuracy(model, tokenizer, list(e.lengths), list(e.depths),
                                  e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
+        multikey = multikey_accuracy(model, tokenizer, valid.stream, list(e.lengths),
+                                     list(e.depths), e.multikey_trials, e.multikey_keys,
+                                     e.passkey_digits, e.batch_size, e.seed, device) \
+            if e.multikey_trials > 0 else []
         points = perplexity_by_length(model, valid.stream, list(e.lengths), e.perplexity_windows,
-                                      e.batch_size, tokenizer.vocab_size, device)
+                                      e.batch_size, tokenizer.vocab_size, device,
+                                      e.trained_length or saved.trainer.seq_length)
     finally:
         shutdown()
     results = {
         "checkpoint": str(ckpt), "step": extra["step"], "trained_attention": saved.attention.kind,
-        "attention": OmegaConf.to_container(cfg.attention),
+        "attention": OmegaConf.to_container(cfg.attention), "label": label,
         "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],
-        "perplexity": [asdict(p) | {"perplexity": p.perplexity} for p in points],
+        "multikey": [asdict(c) | {"accuracy": c.accuracy} for c in multikey],
+        "perplexity": [asdict(p) | {"perplexity": p.perplexity, "buckets": [
+            asdict(b) | {"perplexity": b.perplexity} for b in p.buckets]} for p in points],
     }
     if topo.is_main:
         (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
@@ -162,8 +188,16 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             log.info("length %6d: passkey %.2f (%s by depth), perplexity %.3f", n,
                      sum(c.accuracy for c in row) / len(row),
                      " ".join(f"{c.accuracy:.1f}" for c in row), ppl)
+            mk = [c for c in multikey if c.length == n]
+            if mk:
+                log.info("length %6d: multi-key (%d keys) %d/%d correct, %d distractor", n,
+                         mk[0].keys, sum(c.correct for c in mk), sum(c.trials for c in mk),
+                         sum(c.distractor for c in mk))
+            point = next(p for p in points if p.length == n)
+            log.info("length %6d: perplexity by position %s", n, ", ".join(
+                f"[{b.start},{b.end}) {b.perplexity:.3f}" for b in point.buckets))
         if cfg.logger.wandb:
-            _log_wandb(cfg, run_dir, label, cells, points, plots)
+            _log_wandb(cfg, run_dir, label, cells, points, plots, multikey)
         log.info("results in %s", run_dir)
     return results
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,14 +26,40 @@ class PasskeyCell:
 
 
 @dataclass
-class PerplexityPoint:
-    length: int
-    nll: float  # mean next-token loss (nats) over the windows
-    windows: int
+class PositionBucket:
+    """Next-token loss of the predictions made at input positions [start, end) of a window."""
+
+    start: int
+    end: int
+    nll: float  # mean over the bucket's tokens (nats)
+    tokens: int
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll)
+
+
+@dataclass
+class PerplexityPoint:
+    length: int
+    nll: float  # mean next-token loss (nats) over the windows
+    windows: int
+    buckets: list[PositionBucket] = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
+def bucket_edges(length: int, trained_length: int | None) -> list[int]:
+    """Bucket starts 0, T, 2T, 4T, ... below `length` (one bucket when T is unknown): does the
+    loss past the trained length T stay flat?"""
+    edges = [0]
+    edge = trained_length
+    while edge is not None and 0 < edge < length:
+        edges.append(edge)
+        edge *= 2
+    return edges
 
 
 def _logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -85,22 +111,29 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
 @torch.no_grad()
 def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: list[int],
                          windows: int, batch_size: int, vocab_size: int,
-                         device: torch.device) -> list[PerplexityPoint]:
-    """Mean next-token loss on the first `windows` non-overlapping windows of each length."""
+                         device: torch.device,
+                         trained_length: int | None = None) -> list[PerplexityPoint]:
+    """Mean next-token loss on the first `windows` non-overlapping windows of each length, in
+    total and per position bucket (`bucket_edges`); the buckets' token-weighted mean is the
+    total."""
     points = []
     for length in tqdm(lengths, desc="perplexity", leave=False):
         n = min(windows, (len(stream) - 1) // length)
         if n == 0:
             raise ValueError(f"validation stream ({len(stream)} tokens) is shorter than eval "
                              f"length {length}; lower eval.lengths or use more data")
-        total = 0.0
+        per_position = torch.zeros(length, dtype=torch.float64)  # loss summed over windows
         for start in range(0, n, batch_size):
             rows = range(start, min(start + batch_size, n))
             batch = torch.tensor(np.stack([np.asarray(stream[i * length:(i + 1) * length + 1])
                                            for i in rows]).astype(np.int64), device=device)
             logits = _logits(model, batch[:, :-1], vocab_size).float()
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(),
-                                                     reduction="sum")
-            total += loss.item()
-        points.append(PerplexityPoint(length, total / (n * length), n))
+            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:],
+                                                     reduction="none")  # [b, s]
+            per_position += loss.double().sum(dim=0).cpu()
+        edges = bucket_edges(length, trained_length) + [length]
+        buckets = [PositionBucket(a, e, float(per_position[a:e].sum()) / (n * (e - a)),
+                                  n * (e - a)) for a, e in zip(edges, edges[1:])]
+        points.append(PerplexityPoint(length, float(per_position.sum()) / (n * length), n,
+                                      buckets))
     return points

@@ -14,7 +14,9 @@ KV source rank in the load-balanced layout (rank r holds pieces r and 2N-1-r of 
             its global position. For every (query piece, key piece) pair, queries are cut by
             chunk: intra keys (same chunk; causal within one piece), successive keys (previous
             chunk) and inter keys (earlier chunks) each become a full call of the matching
-            rotated query, merged by LSE with all the rest of the row's softmax.
+            rotated query, merged by LSE with all the rest of the row's softmax. A length-
+            dependent scaling (dca_scaling.py) scales each rotated query by its factor, from
+            its global position and the global sequence length.
 
 Packed sequences (cu_seqlens) are not supported under CP (core.py raises).
 """
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from models.attention.chunked import chunked_attention
 from models.attention.context_parallel import Call, CPPlan, Layout, coalesce, cp_attention
 from models.attention.dca import INTER, INTRA, SUCCESSIVE, _check_qkv, _check_sizes
+from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
 
 
@@ -93,10 +96,12 @@ class DCAPlan(CPPlan):
     """Dual Chunk Attention (ring); rotates q and k from global positions."""
 
     def __init__(self, layout: Layout, chunk_size: int, local_size: int, theta: float,
-                 mscale: float, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 mscale: float, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 scaling: DCAScaling) -> None:
         super().__init__(layout)
         self.length = length = chunk_size - local_size
-        r = layout.positions() % length  # in-chunk offset of every local token
+        global_pos = layout.positions()
+        r = global_pos % length  # in-chunk offset of every local token
         self.positions = torch.stack([  # [3, 2P] query positions per part; row 0 also keys'
             r, torch.clamp(r + length, max=chunk_size),
             torch.full_like(r, min(2 * length - 1, chunk_size)),
@@ -106,16 +111,23 @@ class DCAPlan(CPPlan):
                                 mscale, dtype=table_dtype)  # positions reach C itself
         half = head_dim // 2  # rotate-half tables: the two halves repeat the same angles
         self.cos, self.sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+        self.q_scale = query_factors(  # [3, 2P] logit factor per rotated query, or None
+            scaling, chunk_size, layout.local_len, None, 3, table_dtype, device,
+            offsets=tuple(global_pos.tolist()), total=layout.local_len * layout.size)
 
     def calls(self, dst: int, src: int) -> list[Call]:
         return _chunk_calls(self.layout, dst, src, self.length, True)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (rotate_multi(q, self.positions, self.cos, self.sin),
-                rotate_multi(k, self.positions[:1], self.cos, self.sin)[0])
+        q_rot = rotate_multi(q, self.positions, self.cos, self.sin)
+        if self.q_scale is not None:
+            q_rot.mul_(self.q_scale[:, None, :, None, None])
+        return q_rot, rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
 
     def unrotate(self, dq_parts: torch.Tensor, dk: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_scale is not None:  # the rotated queries carried the factors
+            dq_parts = dq_parts * self.q_scale[:, None, :, None, None]
         dq = torch.empty(dq_parts.shape[1:], dtype=dtype, device=dq_parts.device)
         dk_out = torch.empty(dk.shape, dtype=dtype, device=dk.device)
         for b in range(dq.shape[0]):  # [s, h, d] per sequence
@@ -127,9 +139,11 @@ class DCAPlan(CPPlan):
 
 @functools.lru_cache(maxsize=16)
 def _dca_plan(layout: Layout, chunk_size: int, local_size: int, theta: float, mscale: float,
-              head_dim: int, dtype: torch.dtype, device: torch.device) -> DCAPlan:
+              head_dim: int, dtype: torch.dtype, device: torch.device,
+              scaling: DCAScaling) -> DCAPlan:
     """Cached: every layer of a step asks for the same positions and tables."""
-    return DCAPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device)
+    return DCAPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device,
+                   scaling)
 
 
 def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -172,12 +186,13 @@ def cp_chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
 def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                             chunk_size: int, local_size: int, group: dist.ProcessGroup,
                             rope_theta: float = 10000.0, mscale: float = 1.0,
-                            softmax_scale: float | None = None) -> torch.Tensor:
+                            softmax_scale: float | None = None,
+                            scaling: DCAScaling | None = None) -> torch.Tensor:
     """Dual Chunk Attention of this CP rank's tokens, q and k *before* RoPE (DCA rotates them
     from each token's global position); otherwise as `dca.dual_chunk_attention`."""
     _check_sizes(chunk_size, local_size, rope_theta)
     _check_qkv(q, k, v)
     layout = _layout(q, k, v, group)
     plan = _dca_plan(layout, chunk_size, local_size, float(rope_theta), float(mscale),
-                     q.shape[-1], q.dtype, q.device)
+                     q.shape[-1], q.dtype, q.device, scaling or DCAScaling())
     return cp_attention(q, k, v, plan, group, _scale(q, softmax_scale))

@@ -8,10 +8,13 @@ exactly one part (SPEC.md's table; keys are always rotated to r_j):
     successive  n_j == n_i - 1        query rotated to min(r_i + L, C)
     inter       n_j <= n_i - 2        query rotated to min(2L - 1, C)
 
-and one softmax spans all three. Each part runs as dense attention that also returns its
-log-sum-exp; outputs merge by LSE; the backward is the global-LSE recipe (lse_attention.py):
-every part's kernel backward gets the merged out and lse, dk/dv add up over parts, and dq/dk
-go back through the rotations (a rotation's transpose is the rotation with sin negated).
+and one softmax spans all three. An optional length-dependent scaling (dca_scaling.py)
+multiplies the logits of the chosen parts by a per-query factor f_i, folded into that part's
+rotated query (dq then carries f_i too; dk does by itself: the kernels see the scaled query).
+Each part runs as dense attention that also returns its log-sum-exp; outputs merge by LSE;
+the backward is the global-LSE recipe (lse_attention.py): every part's kernel backward gets the
+merged out and lse, dk/dv add up over parts, and dq/dk go back through the rotations (a
+rotation's transpose is the rotation with sin negated).
 
 Kernel calls per document of N tokens (nf = N div L full chunks, then a tail):
   intra:      one causal call over the full chunks moved into the batch dim, one for the tail;
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
 from models.recompute import keep_attention, kept_attention
@@ -88,7 +92,7 @@ class _Plan:
     """Everything both passes derive from the arguments: documents, positions, RoPE tables."""
 
     def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
-                 mscale: float, bounds: list[int] | None) -> None:
+                 mscale: float, bounds: list[int] | None, scaling: DCAScaling) -> None:
         batch, seq, _, head_dim = q.shape
         self.length = chunk_size - local_size
         if bounds is None:
@@ -104,11 +108,17 @@ class _Plan:
         # Positions reach C itself (min(r + L, C)), so the table has C + 1 rows.
         self.cos, self.sin = _tables(chunk_size + 1, head_dim, theta, mscale, table_dtype,
                                      q.device)
+        # [parts, s] logit factor per rotated query, or None: no scaling (the default)
+        self.q_scale = query_factors(scaling, chunk_size, seq,
+                                     None if bounds is None else tuple(bounds), self.num_parts,
+                                     table_dtype, q.device)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
         q_rot = rotate_multi(q, self.positions, self.cos, self.sin)
         k_rot = rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
+        if self.q_scale is not None:
+            q_rot.mul_(self.q_scale[:, None, :, None, None])  # [parts, 1, s, 1, 1]
         return q_rot, k_rot
 
 
@@ -173,7 +183,8 @@ class _DualChunkAttention(torch.autograd.Function):
             _backward_document(
                 plan, n, ctx.scale, [q_rot[p, b, rows] for p in range(plan.num_parts)],
                 k_rot[b, rows], v[b, rows], out[b, rows], dout[b, rows], lse[b, :, rows],
-                plan.positions[:, rows], dq[b, rows], dk[b, rows], dv[b, rows])
+                plan.positions[:, rows], None if plan.q_scale is None else plan.q_scale[:, rows],
+                dq[b, rows], dk[b, rows], dv[b, rows])
         return dq, dk, dv, None, None
 
 
@@ -223,12 +234,13 @@ def _forward_call(call: _Call, qs: list[torch.Tensor], ks: torch.Tensor, vs: tor
 
 def _backward_document(plan: _Plan, n: int, scale: float, qs: list[torch.Tensor],
                        ks: torch.Tensor, vs: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-                       lse: torch.Tensor, positions: torch.Tensor, dq: torch.Tensor,
-                       dk: torch.Tensor, dv: torch.Tensor) -> None:
+                       lse: torch.Tensor, positions: torch.Tensor, q_scale: torch.Tensor | None,
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Gradients of one document ([n, h, d] views; dq, dk, dv written in place).
 
     Every chunk's dq is R^T-summed over its (up to three) parts by one fused pass; dk and dv
-    likewise over intra, successive and inter.
+    likewise over intra, successive and inter. q_scale [parts, n] (or None): the factors the
+    rotated queries carry, so each part's dq is scaled by them before the transposed rotation.
     """
     length = plan.length
     chunks = -(-n // length)
@@ -238,6 +250,8 @@ def _backward_document(plan: _Plan, n: int, scale: float, qs: list[torch.Tensor]
 
     def finish_dq(chunk: int) -> None:
         terms = grad_q.pop(chunk)
+        if q_scale is not None:
+            terms = [(p, g * q_scale[p, span[chunk], None, None]) for p, g in terms]
         rotate_transpose_sum([g for _, g in terms], [positions[p, span[chunk]] for p, _ in terms],
                              plan.cos, plan.sin, dq[span[chunk]])
 
@@ -306,20 +320,23 @@ def _backward_document(plan: _Plan, n: int, scale: float, qs: list[torch.Tensor]
 def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int,
                          local_size: int, rope_theta: float = 10000.0, mscale: float = 1.0,
                          softmax_scale: float | None = None,
-                         cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+                         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+                         scaling: DCAScaling | None = None) -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
     q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], kv_heads
     dividing q_heads (GQA); q and k *before* RoPE (rotate-half over the full head dim, cos and
     sin times `mscale`). `softmax_scale` defaults to head_dim ** -0.5. `cu_seqlens` (batch 1):
     cumulative document lengths from 0 to seq; positions and chunks restart at every document
-    and no query sees another document. Returns [batch, seq, q_heads, head_dim] in q's dtype.
+    and no query sees another document. `scaling`: optional length-dependent logit scaling
+    (dca_scaling.py; default none). Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     _check_sizes(chunk_size, local_size, rope_theta)
     _check_qkv(q, k, v)
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    plan = _Plan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds)
+    plan = _Plan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
+                 scaling or DCAScaling())
     return _DualChunkAttention.apply(q, k, v, plan, scale)
 
 

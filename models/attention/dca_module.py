@@ -4,7 +4,8 @@ The layer skips megatron's RoPE for DCA (`no_rope_freq`, set in models/gpt.py) b
 rotates each query three times with its own per-part positions; q and k arrive unrotated and
 `dual_chunk_attention` applies RoPE itself, computing cos/sin for the positions it needs (up to
 chunk_size itself: the "table" always has its C + 1 rows). YaRN's mscale comes from megatron's
-own RoPE scaling config.
+own RoPE scaling config. The optional length-dependent logit scaling (`dca_scaling`) comes from
+models/config.py.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ class DCACoreAttention(CoreAttention):
         self.local_size = config.dca_local_size
         self.rope_theta = config.rope_theta
         self.mscale = _yarn_get_concentration_factor_from_config(config)
+        self.scaling = config.dca_scaling_config()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_seqlens, scaling=self.scaling,
         )
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cp_dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size, group=self.cp_group,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
+            scaling=self.scaling,
         )

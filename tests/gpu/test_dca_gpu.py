@@ -3,10 +3,13 @@ against the float64 reference, and its memory growth."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from models.attention.dca import dual_chunk_attention
+from models.attention.dca_scaling import DCAScaling
 from tests.reference import document_ids, positions_in_document, rope_rotate
 
 pytestmark = [pytest.mark.gpu,
@@ -15,9 +18,11 @@ pytestmark = [pytest.mark.gpu,
 
 def dca_reference_by_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int,
                           local_size: int, cu_seqlens: torch.Tensor | None = None,
+                          part_factors: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Float64 DCA from SPEC.md's table: one rotated q per part, one dense softmax.
 
+    `part_factors` [s, 3]: logit factor of query i on each part (the length-dependent scaling).
     Returns the output and its float64 CPU leaves (q, k, v). Rotations run on the CPU (the
     shared reference builds its tables there); the S x S work runs on the GPU in float64.
     """
@@ -38,6 +43,8 @@ def dca_reference_by_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chu
     scores = torch.zeros(q.shape[0], q.shape[2], seq, seq, dtype=torch.float64, device="cuda")
     for part, qp in enumerate(q_pos):
         part_scores = torch.einsum("bihd,bjhd->bhij", rope_rotate(q, qp).cuda(), k_rot)
+        if part_factors is not None:
+            part_scores = part_scores * part_factors[:, part].cuda()[:, None]  # [s_i, 1]
         scores = torch.where(part_of == part, part_scores, scores)
     allowed = torch.ones(seq, seq, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
     probs = (scores * q.shape[-1] ** -0.5).masked_fill(~allowed.cuda(), float("-inf")).softmax(-1)
@@ -88,3 +95,31 @@ def test_memory_is_linear_in_sequence_length() -> None:
     print(f"peak above inputs: 16K {small / 2**20:.0f} MiB, 32K {large / 2**20:.0f} MiB")
     assert large < 0.25 * 32768 ** 2 * 4  # well below one fp32 S x S matrix (4 GiB)
     assert large < 2.5 * small  # doubling S roughly doubles memory (quadratic would be 4x)
+
+
+@pytest.mark.parametrize("kind", ["log", "yarn"])
+def test_bf16_fast_path_with_scaling_matches_float64_reference(kind: str) -> None:
+    """Scaled DCA (factors written from the sources' formulas) on the cuDNN/Triton path."""
+    torch.manual_seed(1)
+    seq, hq, hk, d, chunk, local = 4096, 8, 2, 128, 1024, 128
+    if kind == "log":  # Llama 4: 1 + a ln(floor((p + 1) / F) + 1); F small enough to vary here
+        scaling = DCAScaling("log", "succ_inter", attn_scale=0.1, floor_scale=512)
+        f = [1 + 0.1 * math.log(math.floor((p + 1) / 512) + 1) for p in range(seq)]
+        factors = torch.tensor([[1.0, x, x] for x in f], dtype=torch.float64)
+    else:  # Qwen2.5-1M: m = max(1, 0.1 ln(n / original) + 1), logits times m^2
+        scaling = DCAScaling("yarn", "all")  # original length: the chunk size
+        m = max(1.0, 0.1 * math.log(seq / chunk) + 1)
+        factors = torch.full((seq, 3), m * m, dtype=torch.float64)
+    q, k, v = (torch.randn(1, seq, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (hq, hk, hk))
+    dout = torch.randn(1, seq, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = dual_chunk_attention(q, k, v, chunk_size=chunk, local_size=local, scaling=scaling)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, leaves = dca_reference_by_part(q, k, v, chunk, local, part_factors=factors)
+    plain, _ = dca_reference_by_part(q, k, v, chunk, local)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    errors = [rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+    print(f"{kind}: relative errors out, dq, dk, dv:", errors)
+    assert rel_err(plain, ref) > 1e-3  # the scaling matters at this size
+    assert errors[0] < 1e-2
+    assert max(errors[1:]) < 2e-2

@@ -23,8 +23,13 @@ from tests.reference import (
 def dca_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int,
                   local_size: int, theta: float = 10000.0, mscale: float = 1.0,
                   softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-                  table_rows: int | None = None) -> torch.Tensor:
-    """Dense DCA in float64; `table_rows` clamps positions to a too-short RoPE table (the trap)."""
+                  table_rows: int | None = None,
+                  part_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense DCA in float64; `table_rows` clamps positions to a too-short RoPE table (the trap).
+
+    `part_factors` [s, 3]: multiplies the logit of (query i, key j) by part_factors[i, part of
+    (i, j)] (0 intra, 1 successive, 2 inter), the length-dependent scaling's definition.
+    """
     batch, seq, hq, d = q.shape
     length = chunk_size - local_size
     if cu_seqlens is None:
@@ -42,6 +47,11 @@ def dca_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
         q_pos, k_pos = q_pos.clamp(max=table_rows - 1), k_pos.clamp(max=table_rows - 1)
     allowed = causal_mask(seq) & (doc[:, None] == doc[None, :])
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    if part_factors is None:
+        logit_factor = torch.ones(seq, seq, dtype=torch.float64)
+    else:
+        part = torch.where(same, 0, torch.where(previous, 1, 2))  # [s_i, s_j]
+        logit_factor = part_factors.double().gather(1, part)
     groups = hq // k.shape[2]
     outs = []
     for b in range(batch):
@@ -49,7 +59,7 @@ def dca_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
         q_rot = rope_rotate(qb, q_pos, theta, mscale)  # query i rotated for key j
         k_rot = rope_rotate(k[b:b + 1], k_pos, theta, mscale)[0]  # [s_j, hk, d]
         k_rot = k_rot.repeat_interleave(groups, dim=1)
-        scores = torch.einsum("ijhd,jhd->hij", q_rot, k_rot) * scale
+        scores = torch.einsum("ijhd,jhd->hij", q_rot, k_rot) * scale * logit_factor
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = scores.softmax(dim=-1)
         vb = v[b].double().repeat_interleave(groups, dim=1)  # [s_j, h, d]

@@ -93,7 +93,8 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
     monkeypatch.setattr(eval_entry.HydraConfig, "get", staticmethod(lambda: _NoSweep()))
     cfg = compose_config([
         "+attention=dca", "attention.dca_chunk_size=64", "attention.dca_local_size=16",
-        f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}", "eval.lengths=[128,192]",
+        "attention.dca_scaling=yarn", "eval.multikey_trials=1", "eval.multikey_keys=2",
+        f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}", "eval.lengths=[256,384]",
         "eval.depths=[0.0,1.0]", "eval.passkey_trials=2", "eval.perplexity_windows=1",
         "logger.mode=offline",
     ])
@@ -102,7 +103,13 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
     results = eval_entry.evaluate(cfg, out)
     assert results["trained_attention"] == "standard" and results["attention"]["kind"] == "dca"
     assert [(c["length"], c["depth"]) for c in results["passkey"]] == [
-        (128, 0.0), (128, 1.0), (192, 0.0), (192, 1.0)]
+        (256, 0.0), (256, 1.0), (384, 0.0), (384, 1.0)]
+    assert results["label"] == "dca+yarn(attn_scale=0.1, original_length=64, parts=all)"
+    assert [(c["length"], c["trials"], c["keys"]) for c in results["multikey"]] == [
+        (256, 1, 2), (256, 1, 2), (384, 1, 2), (384, 1, 2)]
+    # run_training's seq_length 64 is the buckets' T: 0..T, T..2T, 2T..
+    assert [[(b["start"], b["end"]) for b in p["buckets"]] for p in results["perplexity"]] == [
+        [(0, 64), (64, 128), (128, 256)], [(0, 64), (64, 128), (128, 256), (256, 384)]]
     assert json.loads((out / "eval.json").read_text()) == results
     assert (out / "passkey.png").stat().st_size > 0 and (out / "perplexity.png").is_file()
     assert list((out / "wandb").glob("offline-run-*"))

@@ -1,0 +1,118 @@
+"""Length-dependent attention scaling for Dual Chunk Attention, as deployed long-context systems do.
+
+Both options multiply the logits of query i by a factor f_i >= 1 (a sharper softmax as the
+context grows) on the DCA parts chosen by `parts`; f folds into the rotated query of those parts,
+so the kernels and the exact-gradient recipe are unchanged (dq picks up the same f).
+
+  log   Llama 4's `attn_temperature_tuning` (transformers' Llama4TextAttention, applied there to
+        its NoPE layers): with p the query's position in its document,
+            f_i = 1 + attn_scale * ln(floor((p + 1) / floor_scale) + 1),
+        attn_scale = 0.1 and floor_scale = 8192 in Llama 4's config (its attention chunk size).
+  yarn  Qwen2.5-1M's DCA (vLLM's dual_chunk_flash_attn backend, `dual_chunk_attention_config`):
+        YaRN's temperature for a document of n tokens,
+            m = max(1, attn_scale * ln(n / original_length) + 1),   f = m^2
+        (vLLM scales the keys by m and the softmax scale by m; YaRN's paper: sqrt(1/t) = 0.1 ln s
+        + 1). attn_scale = 0.1 (YaRN); original_length defaults to the chunk size, as in
+        Qwen2.5-1M's config (original_max_position_embeddings == chunk_size == 262144). f
+        depends on the whole document's length, as in vLLM: meant for inference.
+
+parts: "all" (both sources scale every logit of the query), "succ_inter" (successive and inter)
+or "inter" (only keys two or more chunks back).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+SCALING_KINDS = ("none", "log", "yarn")
+SCALED_PARTS = {"all": (0, 1, 2), "succ_inter": (1, 2), "inter": (2,)}  # DCA part indices
+
+
+@dataclass(frozen=True)
+class DCAScaling:
+    """Which scaling, on which parts, with which constants (defaults: the sources')."""
+
+    kind: str = "none"
+    parts: str = "all"
+    attn_scale: float = 0.1
+    floor_scale: int = 8192
+    original_length: int | None = None  # yarn: None means the DCA chunk size
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCALING_KINDS:
+            raise ValueError(f"dca_scaling {self.kind!r} is unknown; choose one of "
+                             f"{SCALING_KINDS}")
+        if self.parts not in SCALED_PARTS:
+            raise ValueError(f"dca_scaling_parts {self.parts!r} is unknown; choose one of "
+                             f"{tuple(SCALED_PARTS)}")
+        if self.attn_scale < 0:
+            raise ValueError(f"dca_scaling_attn_scale must be >= 0, got {self.attn_scale}")
+        if isinstance(self.floor_scale, bool) or not isinstance(self.floor_scale, int) \
+                or self.floor_scale <= 0:
+            raise ValueError(f"dca_scaling_floor_scale must be a positive integer, got "
+                             f"{self.floor_scale!r}")
+        if self.original_length is not None and self.original_length <= 0:
+            raise ValueError(f"dca_scaling_original_length must be positive (or null for the "
+                             f"chunk size), got {self.original_length}")
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+
+def query_factors(scaling: DCAScaling, chunk_size: int, seq: int,
+                  bounds: tuple[int, ...] | None, num_parts: int, dtype: torch.dtype,
+                  device: torch.device, offsets: tuple[int, ...] | None = None,
+                  total: int | None = None) -> torch.Tensor | None:
+    """[num_parts, seq] logit factor of every token's query per DCA part, or None if all are 1.
+
+    `bounds`: document boundaries (None: one document of `seq` tokens). Under context
+    parallelism `offsets` gives each local token's global position and `total` the global
+    length (one document).
+    """
+    table = _factors(scaling, chunk_size, seq, bounds, offsets, total)
+    if table is None:
+        return None
+    return table[:num_parts].to(device=device, dtype=dtype, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _factors(scaling: DCAScaling, chunk_size: int, seq: int, bounds: tuple[int, ...] | None,
+             offsets: tuple[int, ...] | None, total: int | None) -> torch.Tensor | None:
+    """Float64 CPU table behind `query_factors` (cached: every layer asks for the same)."""
+    if not scaling.active:
+        return None
+    if offsets is not None:
+        pos, length = torch.tensor(offsets, dtype=torch.float64), torch.full((seq,), total)
+    elif bounds is None:
+        pos, length = torch.arange(seq, dtype=torch.float64), torch.full((seq,), seq)
+    else:
+        edges = torch.tensor(bounds)
+        sizes = edges.diff()
+        pos = (torch.arange(seq) - edges[:-1].repeat_interleave(sizes)).to(torch.float64)
+        length = sizes.repeat_interleave(sizes)
+    if scaling.kind == "log":
+        f = 1 + scaling.attn_scale * torch.log1p(torch.floor((pos + 1) / scaling.floor_scale))
+    else:
+        original = scaling.original_length or chunk_size
+        m = (scaling.attn_scale * torch.log(length.to(torch.float64) / original) + 1).clamp(min=1)
+        f = m * m
+    if bool((f == 1).all()):
+        return None  # nothing to scale (e.g. every document within its trained length)
+    ones = torch.ones_like(f)
+    return torch.stack([f if part in SCALED_PARTS[scaling.parts] else ones for part in range(3)])
+
+
+def describe(scaling: DCAScaling, chunk_size: int) -> str:
+    """One line naming the scaling and every constant, for run tables and logs."""
+    if not scaling.active:
+        return "none"
+    if scaling.kind == "log":
+        return (f"log(attn_scale={scaling.attn_scale}, floor_scale={scaling.floor_scale}, "
+                f"parts={scaling.parts})")
+    return (f"yarn(attn_scale={scaling.attn_scale}, "
+            f"original_length={scaling.original_length or chunk_size}, parts={scaling.parts})")
+

@@ -1,0 +1,134 @@
+"""Multi-key retrieval: a needle among distractors in held-out corpus text (RULER's niah_multikey).
+
+k needles of the passkey's form, each with its own name and value, are hidden in filler drawn
+from the validation token stream (text the model never trained on, not one repeated sentence):
+
+    <corpus ...> The pass key for amber is 71432. Remember it. 71432 is the pass key for amber.
+    <corpus ...> The pass key for cobalt is 30518. ... <corpus ...>
+    What is the pass key for amber? The pass key for amber is
+
+The asked needle sits at the cell's depth (0 = start of the filler, 1 = just before the
+question); the k - 1 distractors at seeded random depths. A trial is correct when greedy decoding
+reproduces the asked value; answering a distractor's value is counted apart (the model found a
+needle, just not the one asked for). Every trial's draws depend only on (seed, length, depth
+index, trial), so cells do not depend on the grid or the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from trainer.evaluate import greedy_continue
+from trainer.passkey import random_key
+
+NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
+         "juniper", "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz",
+         "raven", "saffron", "tundra", "umber", "violet", "willow", "yarrow", "zephyr")
+
+
+def needle_text(name: str, value: str) -> str:
+    return f" The pass key for {name} is {value}. Remember it. {value} is the pass key for {name}. "
+
+
+def question_text(name: str) -> str:
+    return f" What is the pass key for {name}? The pass key for {name} is "
+
+
+@dataclass
+class MultiKeyTrial:
+    """One prompt: exactly `length` tokens, ending with the question about `names[0]`."""
+
+    prompt: list[int]
+    names: list[str]  # names[0] is asked; the rest are distractors
+    values: list[str]
+    starts: list[int]  # token index where each needle begins in the prompt
+
+
+@dataclass
+class MultiKeyCell:
+    length: int
+    depth: float
+    correct: int
+    distractor: int  # trials answered with a distractor's value
+    trials: int
+    keys: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.trials
+
+
+def corpus_filler(stream, n_tokens: int, eod: int, rng: np.random.Generator) -> list[int]:
+    """`n_tokens` consecutive validation tokens from a seeded offset, document separators left
+    out (the filler reads as running text)."""
+    span = 2 * n_tokens + 64  # enough after dropping separators unless documents are tiny
+    if len(stream) < span:
+        raise ValueError(f"validation stream ({len(stream)} tokens) is too short for "
+                         f"{n_tokens} filler tokens; lower eval.lengths or use more data")
+    start = int(rng.integers(0, len(stream) - span + 1))
+    tokens = np.asarray(stream[start:start + span]).astype(np.int64)
+    tokens = tokens[tokens != eod][:n_tokens]
+    if len(tokens) < n_tokens:
+        raise ValueError("validation documents are too short to draw filler from")
+    return tokens.tolist()
+
+
+def multikey_prompt(tokenizer, stream, length: int, depth: float, keys: int, digits: int,
+                    rng: np.random.Generator) -> MultiKeyTrial:
+    """A trial of `keys` needles (distinct names and values) in corpus filler; see module doc."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    if not 1 <= keys <= len(NAMES):
+        raise ValueError(f"eval.multikey_keys must be in [1, {len(NAMES)}], got {keys}")
+    names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
+    values: list[str] = []
+    while len(values) < keys:
+        value = random_key(rng, digits)
+        if value not in values:
+            values.append(value)
+    needles = [tokenizer.encode(needle_text(n, v)) for n, v in zip(names, values)]
+    question = tokenizer.encode(question_text(names[0]))
+    budget = length - sum(map(len, needles)) - len(question)
+    if budget < 0:
+        raise ValueError(f"length {length} is too short for {keys} needles and the question")
+    filler = corpus_filler(stream, budget, tokenizer.eod, rng)
+    cuts = [int(round(depth * budget))] + [int(c) for c in rng.integers(0, budget + 1, keys - 1)]
+    prompt: list[int] = []
+    starts = [0] * keys
+    done = 0
+    for i in sorted(range(keys), key=lambda i: (cuts[i], i)):  # the asked needle first on ties
+        prompt += filler[done:cuts[i]]
+        done = cuts[i]
+        starts[i] = len(prompt)
+        prompt += needles[i]
+    prompt += filler[done:] + question
+    return MultiKeyTrial(prompt, names, values, starts)
+
+
+@torch.no_grad()
+def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[int],
+                      depths: list[float], trials: int, keys: int, digits: int, batch_size: int,
+                      seed: int, device: torch.device) -> list[MultiKeyCell]:
+    """Correct and distractor answers per (length, depth) cell."""
+    cells = []
+    grid = [(length, j, depth) for length in lengths for j, depth in enumerate(depths)]
+    for length, j, depth in tqdm(grid, desc="multikey", leave=False):
+        built = [multikey_prompt(tokenizer, stream, length, depth, keys, digits,
+                                 np.random.default_rng((seed, 0x4E1D, length, j, t)))
+                 for t in range(trials)]
+        correct = distractor = 0
+        for start in range(0, trials, batch_size):
+            batch = built[start:start + batch_size]
+            steps = max(len(tokenizer.encode(v)) for t in batch for v in t.values)
+            out = greedy_continue(model, torch.tensor([t.prompt for t in batch], device=device),
+                                  steps, tokenizer.vocab_size)
+            for trial, row in zip(batch, out.tolist()):
+                text = tokenizer.decode(row)
+                correct += text.startswith(trial.values[0])
+                distractor += any(text.startswith(v) for v in trial.values[1:])
+        cells.append(MultiKeyCell(length, depth, correct, distractor, trials, keys))
+    return cells
