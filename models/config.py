@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.rope_scaling import NO_SCALING, RopeScaling
+
 ATTENTION_KINDS = ("standard", "dca", "chunked")
 
 
@@ -23,6 +25,7 @@ class LongContextConfig(TransformerConfig):
 
     attention_kind: str = "standard"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = NO_SCALING  # context scaling of every RoPE (models/rope_scaling.py)
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
     attention_chunk_size: int = 8192

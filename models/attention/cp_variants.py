@@ -30,6 +30,7 @@ from models.attention.chunked import chunked_attention
 from models.attention.context_parallel import Call, CPPlan, Layout, coalesce, cp_attention
 from models.attention.dca import INTER, INTRA, SUCCESSIVE, _check_qkv, _check_sizes
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
+from models.rope_scaling import RopeScaling
 
 
 class StandardPlan(CPPlan):
@@ -93,7 +94,8 @@ class DCAPlan(CPPlan):
     """Dual Chunk Attention (ring); rotates q and k from global positions."""
 
     def __init__(self, layout: Layout, chunk_size: int, local_size: int, theta: float,
-                 mscale: float, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 mscale: float, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 scaling: RopeScaling | None = None) -> None:
         super().__init__(layout)
         self.length = length = chunk_size - local_size
         r = layout.positions() % length  # in-chunk offset of every local token
@@ -103,7 +105,7 @@ class DCAPlan(CPPlan):
         ]).to(device=device, dtype=torch.int32)
         table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(torch.arange(chunk_size + 1, device=device), head_dim, theta,
-                                mscale, dtype=table_dtype)  # positions reach C itself
+                                mscale, dtype=table_dtype, scaling=scaling)  # rows reach C
         half = head_dim // 2  # rotate-half tables: the two halves repeat the same angles
         self.cos, self.sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
 
@@ -127,9 +129,11 @@ class DCAPlan(CPPlan):
 
 @functools.lru_cache(maxsize=16)
 def _dca_plan(layout: Layout, chunk_size: int, local_size: int, theta: float, mscale: float,
-              head_dim: int, dtype: torch.dtype, device: torch.device) -> DCAPlan:
+              head_dim: int, dtype: torch.dtype, device: torch.device,
+              scaling: RopeScaling | None = None) -> DCAPlan:
     """Cached: every layer of a step asks for the same positions and tables."""
-    return DCAPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device)
+    return DCAPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device,
+                   scaling)
 
 
 def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -172,12 +176,13 @@ def cp_chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
 def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                             chunk_size: int, local_size: int, group: dist.ProcessGroup,
                             rope_theta: float = 10000.0, mscale: float = 1.0,
-                            softmax_scale: float | None = None) -> torch.Tensor:
+                            softmax_scale: float | None = None,
+                            rope_scaling: RopeScaling | None = None) -> torch.Tensor:
     """Dual Chunk Attention of this CP rank's tokens, q and k *before* RoPE (DCA rotates them
     from each token's global position); otherwise as `dca.dual_chunk_attention`."""
     _check_sizes(chunk_size, local_size, rope_theta)
     _check_qkv(q, k, v)
     layout = _layout(q, k, v, group)
     plan = _dca_plan(layout, chunk_size, local_size, float(rope_theta), float(mscale),
-                     q.shape[-1], q.dtype, q.device)
+                     q.shape[-1], q.dtype, q.device, rope_scaling)
     return cp_attention(q, k, v, plan, group, _scale(q, softmax_scale))
