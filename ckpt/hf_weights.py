@@ -148,9 +148,9 @@ def hf_tensors(read: Callable[[str], torch.Tensor], s: Shape,
         yield "lm_head.weight", read("output_layer.weight")[:vocab]
     yield "model.norm.weight", read("decoder.final_layernorm.weight")
     d, qpg = s.head_dim, s.per_group
-    per_layer = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    per_layer = {  # megatron's checkpoint names the norms after the layer they feed (TE's layout)
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
         "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
         "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     }
