@@ -30,7 +30,9 @@ _ROPE_KEYS = {
     "rope_beta_slow": "beta_slow",
     "rope_attention_factor": "attention_factor",
 }
-_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# transformers' "dynamic" rescales with the running length (unscaled up to the trained length);
+# ours is the static NTK base, a different function: not imported.
+_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 class HFError(RuntimeError):
