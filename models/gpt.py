@@ -102,13 +102,19 @@ def recompute_options(recompute: str, modules: list[str], num_layers: int, keep_
 
 
 def rope_scaling(model: ModelConfig) -> RopeScaling:
-    """The model's RoPE context scaling settings (validated)."""
+    """The model's RoPE context scaling settings (validated); a config saved before these
+    fields existed (an older checkpoint's) means no scaling."""
+    default = ModelConfig()
+
+    def get(name: str) -> Any:
+        return getattr(model, name, getattr(default, name))
+
     return RopeScaling(
-        type=model.rope_scaling_type, factor=model.rope_scaling_factor,
-        original_max_position=model.rope_original_max_position,
-        low_freq_factor=model.rope_low_freq_factor, high_freq_factor=model.rope_high_freq_factor,
-        beta_fast=model.rope_beta_fast, beta_slow=model.rope_beta_slow,
-        attention_factor=model.rope_attention_factor,
+        type=get("rope_scaling_type"), factor=get("rope_scaling_factor"),
+        original_max_position=get("rope_original_max_position"),
+        low_freq_factor=get("rope_low_freq_factor"), high_freq_factor=get("rope_high_freq_factor"),
+        beta_fast=get("rope_beta_fast"), beta_slow=get("rope_beta_slow"),
+        attention_factor=get("rope_attention_factor"),
     )
 
 
