@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ckpt import inspect, reshape, verify, zarr_export
+from ckpt import hf_export, hf_import, inspect, reshape, verify, zarr_export
 from ckpt.destination import DestinationError
+from ckpt.hf_config import HFError
 from ckpt.reader import CheckpointError
 
 # Errors that are the user's input or the checkpoint, not a bug: one line, no traceback.
 USER_ERRORS = (CheckpointError, reshape.ReshapeError, zarr_export.ExportError, DestinationError,
-               FileNotFoundError)
+               FileNotFoundError, HFError)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
                     "torch_dist training checkpoints. SRC/DIR may be a checkpoints root (its "
                     "latest complete checkpoint is used) or one iter_* directory.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (inspect, verify, reshape, zarr_export):
+    for module in (inspect, verify, reshape, zarr_export, hf_import, hf_export):
         module.add_parser(commands)
     return p
 

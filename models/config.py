@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.attention.dca_scaling import DCAScaling
+from models.rope_scaling import NO_SCALING, RopeScaling
 
 ATTENTION_KINDS = ("standard", "dca", "chunked")
 
@@ -26,6 +27,7 @@ class LongContextConfig(TransformerConfig):
 
     attention_kind: str = "standard"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = NO_SCALING  # context scaling of every RoPE (models/rope_scaling.py)
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
     dca_scaling: str = "none"

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
 from models.config import LongContextConfig
+from models.rope_scaling import RopeScaling, rope_frequencies
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from models.spec import block_spec, no_rope_pattern
 
@@ -100,6 +101,23 @@ def recompute_options(recompute: str, modules: list[str], num_layers: int, keep_
     return {}
 
 
+def rope_scaling(model: ModelConfig) -> RopeScaling:
+    """The model's RoPE context scaling settings (validated); a config saved before these
+    fields existed (an older checkpoint's) means no scaling."""
+    default = ModelConfig()
+
+    def get(name: str) -> Any:
+        return getattr(model, name, getattr(default, name))
+
+    return RopeScaling(
+        type=get("rope_scaling_type"), factor=get("rope_scaling_factor"),
+        original_max_position=get("rope_original_max_position"),
+        low_freq_factor=get("rope_low_freq_factor"), high_freq_factor=get("rope_high_freq_factor"),
+        beta_fast=get("rope_beta_fast"), beta_slow=get("rope_beta_slow"),
+        attention_factor=get("rope_attention_factor"),
+    )
+
+
 def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: int = 1,
                        cp: int = 1, sequence_parallel: bool = False, bf16: bool = False,
                        on_gpu: bool = False, recompute: str = "none",
@@ -143,6 +161,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         no_rope_freq=no_rope,
         attention_kind=attention.kind,
         rope_theta=model.rope_theta,
+        rope_scaling=rope_scaling(model),
         dca_chunk_size=attention.dca_chunk_size,
         dca_local_size=attention.dca_local_size,
         dca_scaling=attention.dca_scaling,
@@ -161,8 +180,12 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
 
 def build_gpt(config: LongContextConfig, vocab_size: int, max_sequence_length: int,
               untie_embeddings: bool = False) -> GPTModel:
-    """GPTModel with RoPE and our per-layer specs; `vocab_size` is the padded size."""
-    return GPTModel(
+    """GPTModel with RoPE and our per-layer specs; `vocab_size` is the padded size.
+
+    megatron's RotaryEmbedding computes plain (or its own llama3) frequencies, so ours
+    (models/rope_scaling.py) replace them before the first forward caches any table; the
+    attention factor is applied by the core attentions (models/attention/core.py)."""
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config),
         vocab_size=vocab_size,
@@ -171,6 +194,11 @@ def build_gpt(config: LongContextConfig, vocab_size: int, max_sequence_length: i
         position_embedding_type="rope",
         rotary_base=config.rope_theta,
     )
+    rotary = gpt.rotary_pos_emb
+    inv_freq, _ = rope_frequencies(config.kv_channels, config.rope_theta, config.rope_scaling,
+                                   device=rotary.inv_freq.device)
+    rotary.inv_freq = inv_freq
+    return gpt
 
 
 def build_model(model: ModelConfig, attention: AttentionConfig, parallel: ParallelConfig, *,

@@ -26,6 +26,15 @@ class ModelConfig:
     swiglu: bool = True
     qkv_bias: bool = False
     rope_theta: float = 10000.0
+    # RoPE context scaling (models/rope_scaling.py): none | linear | dynamic | yarn | llama3.
+    rope_scaling_type: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_position: int = 0  # the pretraining length (llama3, yarn)
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float | None = None  # yarn's cos/sin factor (None: 0.1 ln(s) + 1)
     untie_embeddings: bool = False
     init_std: float = 0.02
     layernorm_epsilon: float = 1e-5

@@ -102,9 +102,12 @@ class JsonTokenizer:
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:
-    """"byte" -> ByteTokenizer; a path ending in .json -> JsonTokenizer."""
+    """"byte" -> ByteTokenizer; a path ending in .json, or a directory holding tokenizer.json
+    (a Hugging Face model directory), -> JsonTokenizer."""
     if spec == "byte":
         return ByteTokenizer()
+    if Path(spec).is_dir() and (Path(spec) / "tokenizer.json").is_file():
+        return JsonTokenizer(Path(spec) / "tokenizer.json")
     if spec.endswith(".json"):
         return JsonTokenizer(spec)
     raise ValueError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "

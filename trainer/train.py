@@ -31,6 +31,7 @@ from parallel.distributed import (
 )
 from trainer.config import check_known_keys
 from trainer.data import DataIterator, build_datasets, validation_batches
+from trainer.init_from import adopt_saved_model
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
@@ -114,13 +115,21 @@ class Trainer:
         self.run_dir = run_dir
         self.device = resolve_device(cfg.trainer.device)
         self._setup_parallel()
+        # A checkpoint brings its model config; a model-only one is a fine-tune start.
+        start = adopt_saved_model(cfg) if cfg.checkpoint.load else None
         tokenizer = self._setup_data()
-        self._setup_model(tokenizer.vocab_size)
+        vocab = tokenizer.vocab_size
+        self._setup_model(start.vocab_size(vocab, cfg.data.tokenizer) if start else vocab)
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.consumed_samples = 0
-        wandb_id = self._resume(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        wandb_id = None
+        if start:
+            log.info("fine-tuning from the model-only checkpoint %s (step 0)", start.path)
+            start.load(self.model)
+        elif cfg.checkpoint.load:
+            wandb_id = self._resume(cfg.checkpoint.load)
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
             config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,

@@ -23,6 +23,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.attention.causal import causal_attention
 from models.attention.cp_variants import cp_causal_attention
 from models.recompute import AttentionKeeper
+from models.rope_scaling import attention_factor
+
+
+def _scaled_softmax_scale(config: TransformerConfig, layer_number: int,
+                          softmax_scale: float | None) -> float | None:
+    """RoPE scaling's attention factor a (YaRN) multiplies cos and sin of q and k, so it scales
+    the logits of a layer with RoPE by a^2; folded into the softmax scale here (exact, as RoPE
+    covers the whole head). DCA applies it in its own rotation and skips megatron's RoPE."""
+    factor = attention_factor(getattr(config, "rope_scaling", None))
+    skips_rope = bool(config.no_rope_freq and config.no_rope_freq[layer_number - 1])
+    if factor == 1.0 or skips_rope:
+        return softmax_scale
+    base = config.kv_channels ** -0.5 if softmax_scale is None else softmax_scale
+    return base * factor ** 2
 
 
 class CoreAttention(MegatronModule):
@@ -42,7 +56,7 @@ class CoreAttention(MegatronModule):
                 "attention_dropout must be 0: the fused attention paths have no dropout"
             )
         self.layer_number = layer_number
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = _scaled_softmax_scale(config, layer_number, softmax_scale)
         self.keeper = AttentionKeeper()  # full recompute that keeps (out, lse): models/recompute.py
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:

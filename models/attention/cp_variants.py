@@ -33,6 +33,7 @@ from models.attention.context_parallel import Call, CPPlan, Layout, coalesce, cp
 from models.attention.dca import INTER, INTRA, SUCCESSIVE, _check_qkv, _check_sizes
 from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
+from models.rope_scaling import RopeScaling
 
 
 class StandardPlan(CPPlan):
@@ -97,7 +98,7 @@ class DCAPlan(CPPlan):
 
     def __init__(self, layout: Layout, chunk_size: int, local_size: int, theta: float,
                  mscale: float, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 scaling: DCAScaling) -> None:
+                 scaling: DCAScaling, rope_scaling: RopeScaling | None = None) -> None:
         super().__init__(layout)
         self.length = length = chunk_size - local_size
         global_pos = layout.positions()
@@ -108,7 +109,7 @@ class DCAPlan(CPPlan):
         ]).to(device=device, dtype=torch.int32)
         table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         cos, sin = rope_cos_sin(torch.arange(chunk_size + 1, device=device), head_dim, theta,
-                                mscale, dtype=table_dtype)  # positions reach C itself
+                                mscale, dtype=table_dtype, scaling=rope_scaling)  # rows reach C
         half = head_dim // 2  # rotate-half tables: the two halves repeat the same angles
         self.cos, self.sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
         self.q_scale = query_factors(  # [3, 2P] logit factor per rotated query, or None
@@ -140,10 +141,10 @@ class DCAPlan(CPPlan):
 @functools.lru_cache(maxsize=16)
 def _dca_plan(layout: Layout, chunk_size: int, local_size: int, theta: float, mscale: float,
               head_dim: int, dtype: torch.dtype, device: torch.device,
-              scaling: DCAScaling) -> DCAPlan:
+              scaling: DCAScaling, rope_scaling: RopeScaling | None = None) -> DCAPlan:
     """Cached: every layer of a step asks for the same positions and tables."""
     return DCAPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device,
-                   scaling)
+                   scaling, rope_scaling)
 
 
 def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -187,12 +188,13 @@ def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             chunk_size: int, local_size: int, group: dist.ProcessGroup,
                             rope_theta: float = 10000.0, mscale: float = 1.0,
                             softmax_scale: float | None = None,
-                            scaling: DCAScaling | None = None) -> torch.Tensor:
+                            scaling: DCAScaling | None = None,
+                            rope_scaling: RopeScaling | None = None) -> torch.Tensor:
     """Dual Chunk Attention of this CP rank's tokens, q and k *before* RoPE (DCA rotates them
     from each token's global position); otherwise as `dca.dual_chunk_attention`."""
     _check_sizes(chunk_size, local_size, rope_theta)
     _check_qkv(q, k, v)
     layout = _layout(q, k, v, group)
     plan = _dca_plan(layout, chunk_size, local_size, float(rope_theta), float(mscale),
-                     q.shape[-1], q.dtype, q.device, scaling or DCAScaling())
+                     q.shape[-1], q.dtype, q.device, scaling or DCAScaling(), rope_scaling)
     return cp_attention(q, k, v, plan, group, _scale(q, softmax_scale))

@@ -40,6 +40,7 @@ from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
 from models.recompute import keep_attention, kept_attention
+from models.rope_scaling import RopeScaling
 
 INTRA, SUCCESSIVE, INTER = 0, 1, 2
 
@@ -92,7 +93,8 @@ class _Plan:
     """Everything both passes derive from the arguments: documents, positions, RoPE tables."""
 
     def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
-                 mscale: float, bounds: list[int] | None, scaling: DCAScaling) -> None:
+                 mscale: float, bounds: list[int] | None, scaling: DCAScaling,
+                 rope_scaling: RopeScaling | None = None) -> None:
         batch, seq, _, head_dim = q.shape
         self.length = chunk_size - local_size
         if bounds is None:
@@ -107,7 +109,7 @@ class _Plan:
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Positions reach C itself (min(r + L, C)), so the table has C + 1 rows.
         self.cos, self.sin = _tables(chunk_size + 1, head_dim, theta, mscale, table_dtype,
-                                     q.device)
+                                     q.device, rope_scaling)
         # [parts, s] logit factor per rotated query, or None: no scaling (the default)
         self.q_scale = query_factors(scaling, chunk_size, seq,
                                      None if bounds is None else tuple(bounds), self.num_parts,
@@ -143,10 +145,11 @@ def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ..
 
 @functools.lru_cache(maxsize=16)
 def _tables(rows: int, head_dim: int, theta: float, mscale: float, dtype: torch.dtype,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+            device: torch.device, scaling: RopeScaling | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Half-width [rows, d/2] cos and sin tables (cached: every layer asks for the same one)."""
     cos, sin = rope_cos_sin(torch.arange(rows, device=device), head_dim, theta, mscale,
-                            dtype=dtype)
+                            dtype=dtype, scaling=scaling)
     return cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
 
 
@@ -321,22 +324,24 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                          local_size: int, rope_theta: float = 10000.0, mscale: float = 1.0,
                          softmax_scale: float | None = None,
                          cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-                         scaling: DCAScaling | None = None) -> torch.Tensor:
+                         scaling: DCAScaling | None = None,
+                         rope_scaling: RopeScaling | None = None) -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
     q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], kv_heads
     dividing q_heads (GQA); q and k *before* RoPE (rotate-half over the full head dim, cos and
-    sin times `mscale`). `softmax_scale` defaults to head_dim ** -0.5. `cu_seqlens` (batch 1):
-    cumulative document lengths from 0 to seq; positions and chunks restart at every document
-    and no query sees another document. `scaling`: optional length-dependent logit scaling
-    (dca_scaling.py; default none). Returns [batch, seq, q_heads, head_dim] in q's dtype.
+    sin times `mscale`; frequencies scaled per `rope_scaling`). `softmax_scale` defaults to
+    head_dim ** -0.5. `cu_seqlens` (batch 1): cumulative document lengths from 0 to seq;
+    positions and chunks restart at every document and no query sees another document.
+    `scaling`: optional length-dependent logit scaling (dca_scaling.py; default none).
+    Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     _check_sizes(chunk_size, local_size, rope_theta)
     _check_qkv(q, k, v)
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     plan = _Plan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                 scaling or DCAScaling())
+                 scaling or DCAScaling(), rope_scaling)
     return _DualChunkAttention.apply(q, k, v, plan, scale)
 
 

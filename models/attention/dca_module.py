@@ -3,21 +3,19 @@
 The layer skips megatron's RoPE for DCA (`no_rope_freq`, set in models/gpt.py) because DCA
 rotates each query three times with its own per-part positions; q and k arrive unrotated and
 `dual_chunk_attention` applies RoPE itself, computing cos/sin for the positions it needs (up to
-chunk_size itself: the "table" always has its C + 1 rows). YaRN's mscale comes from megatron's
-own RoPE scaling config. The optional length-dependent logit scaling (`dca_scaling`) comes from
-models/config.py.
+chunk_size itself: the "table" always has its C + 1 rows). Frequencies and the attention factor
+(YaRN's mscale) follow the model's RoPE scaling (models/rope_scaling.py). The optional
+length-dependent logit scaling (`dca_scaling`) comes from models/config.py.
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-    _yarn_get_concentration_factor_from_config,
-)
 
 from models.attention.core import CoreAttention
 from models.attention.cp_variants import cp_dual_chunk_attention
 from models.attention.dca import dual_chunk_attention
+from models.rope_scaling import attention_factor
 
 
 class DCACoreAttention(CoreAttention):
@@ -28,7 +26,8 @@ class DCACoreAttention(CoreAttention):
         self.chunk_size = config.dca_chunk_size
         self.local_size = config.dca_local_size
         self.rope_theta = config.rope_theta
-        self.mscale = _yarn_get_concentration_factor_from_config(config)
+        self.rope_scaling = config.rope_scaling
+        self.mscale = attention_factor(config.rope_scaling)
         self.scaling = config.dca_scaling_config()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -36,12 +35,12 @@ class DCACoreAttention(CoreAttention):
         return dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
-            cu_seqlens=cu_seqlens, scaling=self.scaling,
+            cu_seqlens=cu_seqlens, scaling=self.scaling, rope_scaling=self.rope_scaling,
         )
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cp_dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size, group=self.cp_group,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
-            scaling=self.scaling,
+            scaling=self.scaling, rope_scaling=self.rope_scaling,
         )

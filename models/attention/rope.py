@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from models.rope_scaling import RopeScaling, rope_frequencies
+
 try:
     import triton
     import triton.language as tl
@@ -25,18 +27,19 @@ except ImportError:  # CPU-only installs: the torch paths below are used instead
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
                  mscale: float = 1.0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 device: torch.device | str | None = None,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for integer `positions` [...] -> two [..., head_dim] tensors.
+
+    `scaling` sets the frequencies' context scaling (models/rope_scaling.py; its attention
+    factor is the caller's `mscale`).
 
     Both halves of the last dim repeat the same angles (rotate-half layout). Angles are computed
     in float32, or float64 when `dtype` is float64, then scaled by `mscale` and cast to `dtype`.
     """
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     device = positions.device if device is None else device
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=compute, device=device)
-                               / head_dim)  # [d/2]
+    inv_freq, _ = rope_frequencies(head_dim, theta, scaling, dtype=compute, device=device)  # [d/2]
     angles = positions.to(device=device, dtype=compute)[..., None] * inv_freq  # [..., d/2]
     angles = torch.cat([angles, angles], dim=-1)  # [..., d]
     return (angles.cos() * mscale).to(dtype), (angles.sin() * mscale).to(dtype)

@@ -1,0 +1,169 @@
+"""Hugging Face `config.json` <-> our `ModelConfig`, for the Llama, Qwen2 and Mistral families.
+
+Reads both config styles: `rope_theta` + `rope_scaling` (transformers 4) and `rope_parameters`
+(transformers 5). Anything our model cannot reproduce exactly is refused with `HFError` naming
+the setting: another activation, biases beyond Qwen2's q/k/v, a sliding window shorter than the
+trained length, partial rotary, unknown RoPE scaling types.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from models.schema import ModelConfig
+
+# architecture -> (model_type, q/k/v biases always on)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False),
+    "MistralForCausalLM": ("mistral", False),
+    "Qwen2ForCausalLM": ("qwen2", True),
+}
+# Our ModelConfig field <- HF rope scaling key.
+_ROPE_KEYS = {
+    "rope_scaling_factor": "factor",
+    "rope_original_max_position": "original_max_position_embeddings",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_beta_fast": "beta_fast",
+    "rope_beta_slow": "beta_slow",
+    "rope_attention_factor": "attention_factor",
+}
+# transformers' "dynamic" rescales with the running length (unscaled up to the trained length);
+# ours is the static NTK base, a different function: not imported.
+_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+class HFError(RuntimeError):
+    """A Hugging Face checkpoint that cannot be imported or a checkpoint that cannot be exported
+    (the message names the file or setting)."""
+
+
+def read_config(hf_dir: Path) -> dict[str, Any]:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise HFError(f"{path}: no config.json (HF_DIR must be a Hugging Face model directory)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFError(f"{path}: not valid JSON ({e})") from None
+
+
+def architecture(cfg: dict[str, Any], path: Path) -> tuple[str, bool]:
+    """(architecture name, q/k/v bias) of a supported family, else HFError."""
+    archs = cfg.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise HFError(f"{path}: architecture {archs or '(none given)'} is not supported; "
+                      f"import-hf reads {sorted(ARCHITECTURES)}")
+    arch = known[0]
+    bias = ARCHITECTURES[arch][1]
+    if cfg.get("attention_bias"):  # Llama's flag also puts a bias on o_proj
+        raise HFError(f"{path}: attention_bias=true (biases on q/k/v/o) is not supported")
+    return arch, bias
+
+
+def _rope(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Our rope_* fields from either config style."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    params.update(scaling)
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise HFError(f"{path}: rope scaling type {kind!r} is not supported; import-hf "
+                      f"reproduces {list(_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(f"{path}: partial_rotary_factor != 1 is not supported")
+    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")
+                           or params.get("truncate") is False):
+        raise HFError(f"{path}: yarn with mscale/mscale_all_dim/truncate=false is not "
+                      "reproduced; give attention_factor instead")
+    out: dict[str, Any] = {"rope_theta": float(theta),
+                           "rope_scaling_type": "none" if kind == "default" else kind}
+    if kind != "default":
+        for ours, theirs in _ROPE_KEYS.items():
+            if params.get(theirs) is not None:
+                out[ours] = params[theirs]
+        if kind == "yarn" and "rope_original_max_position" not in out:
+            out["rope_original_max_position"] = cfg["max_position_embeddings"]
+    return out
+
+
+def _check_window(cfg: dict[str, Any], path: Path) -> None:
+    """A sliding window shorter than the trained length changes the function: refuse it."""
+    window = cfg.get("sliding_window")
+    in_use = cfg.get("use_sliding_window", True)  # Qwen2 has the flag, Mistral does not
+    trained = cfg.get("max_position_embeddings", 0)
+    if window and in_use and window < trained:
+        raise HFError(f"{path}: sliding_window={window} is shorter than "
+                      f"max_position_embeddings={trained}; sliding-window attention is not "
+                      "supported (a window covering the trained length is)")
+
+
+def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
+    """Our model config for an HF config.json (`path` names it in errors)."""
+    arch, bias = architecture(cfg, path)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{path}: hidden_act={cfg['hidden_act']!r} is not supported (SwiGLU with "
+                      "silu only)")
+    if cfg.get("mlp_bias"):
+        raise HFError(f"{path}: mlp_bias=true is not supported")
+    _check_window(cfg, path)
+    heads = cfg["num_attention_heads"]
+    try:
+        return ModelConfig(
+            name=f"hf-{ARCHITECTURES[arch][0]}",
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            num_attention_heads=heads,
+            num_query_groups=cfg.get("num_key_value_heads") or heads,
+            ffn_hidden_size=cfg["intermediate_size"],
+            kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            normalization="RMSNorm",
+            swiglu=True,
+            qkv_bias=bias,
+            untie_embeddings=not cfg.get("tie_word_embeddings", False),
+            layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+            **_rope(cfg, path),
+        )
+    except KeyError as e:
+        raise HFError(f"{path}: missing setting {e}") from None
+
+
+def hf_config(model: ModelConfig, vocab_size: int, max_positions: int, dtype: str,
+              extra: dict[str, Any]) -> dict[str, Any]:
+    """An HF config.json for our model (Qwen2 when it has q/k/v biases, else Llama)."""
+    qwen = model.qkv_bias
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
+        "head_dim": model.kv_channels or model.hidden_size // model.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": model.layernorm_epsilon,
+        "tie_word_embeddings": not model.untie_embeddings,
+        "rope_theta": model.rope_theta,
+        "torch_dtype": dtype,
+        **extra,
+    }
+    if qwen:
+        cfg["use_sliding_window"] = False
+    else:
+        cfg["attention_bias"] = False
+        cfg["mlp_bias"] = False
+    if model.rope_scaling_type != "none":
+        scaling = {"rope_type": model.rope_scaling_type}
+        for ours, theirs in _ROPE_KEYS.items():
+            value = getattr(model, ours)
+            if value is not None and (ours != "rope_original_max_position" or value):
+                scaling[theirs] = value
+        cfg["rope_scaling"] = scaling
+    return cfg

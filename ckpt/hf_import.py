@@ -1,0 +1,242 @@
+"""`python -m ckpt import-hf HF_DIR DST [--target-tp N]`: a Hugging Face model as a checkpoint.
+
+HF_DIR holds `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`); pickled weights are never read. Everything is checked from the
+config and the safetensors headers before any weight is read: the architecture and settings
+(`ckpt/hf_config.py`), every expected tensor present in an existing file with a float dtype and
+the shape the config implies. Then N CPU processes (gloo) build the model at TP=N through
+`models.gpt.build_model`, fill their shards from slices of the HF tensors (`safe_open`, one
+tensor slice at a time: the process tree holds about one copy of the model) and save DST with
+the trainer's writer: a model-only checkpoint at step 0, its run config (model, attention, data
+tokenizer) in `extra.config` and the source in `extra.hf_source`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from ckpt.destination import add_destination_arguments, staged
+from ckpt.hf_config import HFError, architecture, model_config, read_config
+from ckpt.hf_weights import Shape, expected_hf, local_tensor
+from ckpt.save import write_checkpoint
+from models.gpt import BuildOptions, build_model, padded_vocab_size
+from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from parallel.cpu_mode import enable_cpu_mode
+from parallel.distributed import initialize_parallel, shutdown
+
+INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+# Tensors some exports carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(hf_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it (the index's map, or the one file)."""
+    index = hf_dir / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise HFError(f"{index}: not a safetensors index ({e})") from None
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, "pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+    raise HFError(f"{hf_dir}: no model.safetensors or {INDEX} (pickled .bin weights are not "
+                  "read; convert them to safetensors first)")
+
+
+def check_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]],
+                  tied: bool) -> str:
+    """Every expected tensor present, float and of its shape (from the headers alone); returns
+    the source dtype (fp32, bf16, fp16: the widest found)."""
+    problems, dtypes = [], set()
+    for path in sorted(set(files.values())):
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in {INDEX})")
+    missing_files = {p for p in files.values() if not p.is_file()}
+    for name in sorted(set(files) - set(expected)):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        problems.append(f"{files[name]}: tensor {name} is not part of the model the config "
+                        "describes")
+    for name, shape in expected.items():
+        if name not in files:
+            problems.append(f"{name}: not in any weight file (the config implies "
+                            f"{list(shape)})")
+            continue
+        if files[name] in missing_files:
+            continue
+        with safe_open(files[name], "pt") as f:
+            if name not in f.keys():  # noqa: SIM118
+                problems.append(f"{files[name]}: tensor {name} is listed but not in the file")
+                continue
+            sl = f.get_slice(name)
+            dtype, got = sl.get_dtype(), tuple(sl.get_shape())
+        if dtype not in FLOAT_DTYPES:
+            problems.append(f"{files[name]}: tensor {name} has dtype {dtype}; expected one of "
+                            f"{sorted(FLOAT_DTYPES)}")
+        elif got != shape:
+            problems.append(f"{files[name]}: tensor {name} has shape {list(got)}; config.json "
+                            f"implies {list(shape)}")
+        dtypes.add(FLOAT_DTYPES.get(dtype))
+    if problems:
+        raise HFError("cannot import:\n  " + "\n  ".join(problems))
+    return "fp32" if "fp32" in dtypes else "bf16"
+
+
+class SafetensorsSource:
+    """`hf_weights.Source` over safetensors files: reads only the asked slice."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self._open: dict[Path, Any] = {}
+
+    def _slice(self, name: str) -> Any:
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        return self._open[path].get_slice(name)
+
+    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        sl = self._slice(name)
+        return sl[:] if start is None else sl[start:stop]
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._slice(name)[:, start:stop]
+
+
+def run_config(model: ModelConfig, tp: int, seq_length: int, tokenizer: str) -> str:
+    """The run config a trainer would save for this model (the groups a checkpoint's users
+    read: model, attention, parallel, trainer, data)."""
+    return OmegaConf.to_yaml(OmegaConf.create({
+        "model": asdict(model), "attention": asdict(AttentionConfig()),
+        "parallel": asdict(ParallelConfig(tp=tp)),
+        "trainer": {"seq_length": seq_length, "seed": 1234},
+        "data": {"name": "embedded", "path": None, "tokenizer": tokenizer,
+                 "valid_fraction": 0.05, "max_documents": None, "passkey_fraction": 0.0},
+    }))
+
+
+def _worker(rank: int, tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
+    """One TP rank: build the model at TP=`tp`, fill its shards from HF, save."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    enable_cpu_mode()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
+    try:
+        initialize_parallel(torch.device("cpu"), tp, 0)
+        model = ModelConfig(**job["model"])
+        bf16 = job["dtype"] == "bf16"
+        built = build_model(model, AttentionConfig(), ParallelConfig(tp=tp),
+                            vocab_size=job["vocab"], max_sequence_length=job["seq_length"],
+                            options=BuildOptions(bf16=bf16))
+        gpt = built.gpt.bfloat16() if bf16 else built.gpt
+        src = SafetensorsSource({k: Path(v) for k, v in job["files"].items()})
+        shape = Shape.of(model)
+        with torch.no_grad():
+            for name, param in gpt.named_parameters():
+                param.copy_(local_tensor(name, shape, src, job["vocab"], built.vocab_size, tp,
+                                         rank))
+        write_checkpoint(out_root, 0, {"model": gpt.sharded_state_dict(),
+                                       "extra": job["extra"]})
+    finally:
+        shutdown()
+
+
+def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | None = None,
+              dry_run: bool = False, overwrite: bool = False) -> None:
+    """Write the HF model in `hf_dir` as the checkpoints root `dst` at TP=`tp`."""
+    hf_dir = Path(hf_dir).resolve()
+    cfg_path = hf_dir / "config.json"
+    cfg = read_config(hf_dir)
+    arch, _ = architecture(cfg, cfg_path)
+    model = model_config(cfg, cfg_path)
+    vocab = cfg.get("vocab_size") or 0
+    if vocab <= 0:
+        raise HFError(f"{cfg_path}: vocab_size missing")
+    files = weight_files(hf_dir)
+    source_dtype = check_tensors(files, expected_hf(Shape.of(model), vocab),
+                                 not model.untie_embeddings)
+    dtype = dtype or source_dtype
+    problems = _tp_problems(model, vocab, tp)
+    if problems:
+        raise HFError(f"cannot import {hf_dir} at TP={tp}:\n  - " + "\n  - ".join(problems))
+    seq_length = int(cfg.get("max_position_embeddings") or 4096)
+    tokenizer = hf_dir / "tokenizer.json"
+    extra = {
+        "step": 0, "consumed_samples": 0, "tp": tp, "model_only": True,
+        "config": run_config(model, tp, seq_length,
+                             str(tokenizer) if tokenizer.is_file() else "byte"),
+        "hf_source": {"path": str(hf_dir), "architecture": arch, "vocab_size": vocab,
+                      "config_json": json.dumps(cfg)},
+    }
+    padded = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
+    print(f"{hf_dir.name}: {arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
+          f"heads {model.num_attention_heads}/{model.num_query_groups}, vocab {vocab} (padded "
+          f"{padded}), rope {model.rope_scaling_type}, {len(set(files.values()))} file(s), "
+          f"{dtype}, TP={tp}")
+    if dry_run:
+        print(f"dry run: would write {Path(dst)}/iter_0000000 (nothing written)")
+        return
+    job = {"model": asdict(model), "vocab": vocab, "dtype": dtype, "seq_length": seq_length,
+           "files": {k: str(v) for k, v in files.items()}, "extra": extra}
+    dst = Path(dst)
+    with staged(dst, overwrite, sources=(hf_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
+        try:
+            mp.start_processes(_worker, args=(tp, f"{d}/store", str(tmp), job), nprocs=tp,
+                               start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            raise RuntimeError(f"TP rank {e.error_index} failed:\n{e}") from None
+        except mp.ProcessExitedException as e:
+            raise RuntimeError(f"TP rank {e.error_index} died (exit code {e.exit_code})") \
+                from None
+    print(f"wrote {dst}/iter_0000000 (TP={tp}, model only)")
+
+
+def _tp_problems(model: ModelConfig, vocab: int, tp: int) -> list[str]:
+    if tp < 1:
+        return [f"--target-tp must be at least 1 (got {tp})"]
+    groups = model.num_query_groups or model.num_attention_heads
+    problems = [f"{what} ({n}) is not divisible by {tp}" for what, n in (
+        ("num_attention_heads", model.num_attention_heads), ("num_key_value_heads", groups),
+        ("intermediate_size", model.ffn_hidden_size)) if n % tp]
+    try:
+        padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "import-hf", help="import a Hugging Face Llama/Qwen2/Mistral model",
+        description="Import a Hugging Face LlamaForCausalLM, Qwen2ForCausalLM or "
+                    "MistralForCausalLM directory (config.json + safetensors) as a model-only "
+                    "checkpoint at TP=N that `python -m trainer checkpoint.load=DST` fine-tunes "
+                    "and `python -m trainer.eval` evaluates. Needs no GPU.")
+    p.add_argument("hf_dir", help="the Hugging Face model directory")
+    add_destination_arguments(p, "the new checkpoints root")
+    p.add_argument("--target-tp", type=int, default=1, metavar="N", help="TP size (default 1)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"),
+                   help="weights' dtype (default: fp32 if the source is fp32, else bf16)")
+    p.add_argument("--dry-run", action="store_true", help="check and describe; write nothing")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import_hf(args.hf_dir, args.dst, args.target_tp, dtype=args.dtype, dry_run=args.dry_run,
+              overwrite=args.overwrite)
+    return 0

@@ -1,0 +1,53 @@
+"""Tiny random Hugging Face models of each supported family, built locally with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 300  # not a multiple of 128: the import pads it
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              rms_norm_eps=1e-6)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+FAMILIES = {
+    # Llama 3.1-style: llama3 rope scaling, untied output layer.
+    "llama": lambda tied: LlamaForCausalLM(LlamaConfig(
+        **COMMON, tie_word_embeddings=tied,
+        rope_parameters=dict(rope_theta=50000.0, **LLAMA3))),
+    # Qwen2: q/k/v biases.
+    "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(
+        **COMMON, tie_word_embeddings=tied, rope_parameters=dict(rope_type="default",
+                                                                 rope_theta=1e6))),
+    "mistral": lambda tied: MistralForCausalLM(MistralConfig(
+        **COMMON, tie_word_embeddings=tied, sliding_window=None)),
+}
+
+
+def save_hf(directory: Path, family: str, tied: bool, seed: int = 0, **save_kwargs) -> Path:
+    """A random fp32 model of `family` saved with save_pretrained (safetensors)."""
+    torch.manual_seed(seed)
+    model = FAMILIES[family](tied).float()
+    with torch.no_grad():  # biases start at zero; random ones make the test see them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits

@@ -1,0 +1,68 @@
+"""Starting a run from a checkpoint's model: the saved model config, and model-only fine-tunes.
+
+A checkpoint carries its run config, so `checkpoint.load=DST` needs no `model=`: when the run's
+model group is the untouched default, the saved model config replaces it; when the user chose a
+model and it differs, the run refuses, listing the differing settings. A *model-only*
+checkpoint (`python -m ckpt import-hf`, `reshape --model-only`) is a fine-tune start: weights
+only, step 0, a fresh optimizer, schedule and data order; the tokenizer's vocabulary must fit
+the checkpoint's embedding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+import conf
+from ckpt.inspect import MODEL_WEIGHT
+from ckpt.load import load_model_weights
+from ckpt.paths import resolve_checkpoint
+from ckpt.reader import Checkpoint
+from models.schema import ModelConfig
+
+
+def _default_model() -> DictConfig:
+    """The model group as `python -m trainer` composes it when none is chosen."""
+    tiny = OmegaConf.load(Path(conf.__file__).parent / "model" / "tiny.yaml")
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), tiny)
+
+
+class FineTuneStart:
+    """A model-only checkpoint to start from (see the module docstring)."""
+
+    def __init__(self, path: Path, ckpt: Checkpoint) -> None:
+        self.path = path
+        self.rows = ckpt.tensors[MODEL_WEIGHT].shape[0]  # the padded vocabulary
+
+    def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
+        """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""
+        if tokenizer_vocab > self.rows:
+            raise ValueError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens, more "
+                             f"than the checkpoint {self.path} has rows ({self.rows}); use the "
+                             "model's own tokenizer (data.tokenizer=HF_DIR)")
+        return self.rows
+
+    def load(self, model: torch.nn.Module) -> None:
+        load_model_weights(self.path, model)
+
+
+def adopt_saved_model(cfg: DictConfig) -> FineTuneStart | None:
+    """Set `cfg.model` from the checkpoint `cfg.checkpoint.load` names (refusing a different
+    chosen model); returns the start when the checkpoint is model-only, else None (a resume)."""
+    path = resolve_checkpoint(cfg.checkpoint.load)
+    ckpt = Checkpoint(path)
+    if "config" not in ckpt.extra:
+        return None
+    saved = OmegaConf.merge(OmegaConf.structured(ModelConfig), ckpt.config.model)
+    if cfg.model == _default_model():
+        with open_dict(cfg):
+            cfg.model = saved
+    else:
+        differing = [f"model.{k}: run {cfg.model[k]}, checkpoint {saved[k]}"
+                     for k in saved if k != "name" and cfg.model.get(k) != saved[k]]
+        if differing:
+            raise ValueError(f"checkpoint.load={cfg.checkpoint.load} holds another model; drop "
+                             "model= to use the checkpoint's, or fix:\n  " + "\n  ".join(differing))
+    return FineTuneStart(path, ckpt) if ckpt.extra.get("model_only") else None
