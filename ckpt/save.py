@@ -1,8 +1,9 @@
 """Save a training checkpoint crash-safely (megatron `dist_checkpointing`, torch_dist backend).
 
-A save goes to `iter_XXXXXXX.tmp/`, is fsynced and renamed when every rank has written, and only
-then the tracker moves, so a crash (even SIGKILL) mid-save leaves the previous checkpoint as the
-one that loads. If one of megatron's writer processes dies, the save fails instead of hanging.
+A save goes to `iter_XXXXXXX.tmp/`, gets its checksum manifest (`ckpt.checksums`) last, is
+fsynced and renamed when every rank has written, and only then the tracker moves, so a crash
+(even SIGKILL) mid-save leaves the previous checkpoint as the one that loads. If one of
+megatron's writer processes dies, the save fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from ckpt.checksums import checkpoint_files, digests, write_manifest
 from ckpt.paths import TRACKER, checkpoint_name
 from ckpt.state import training_state
 
@@ -38,8 +40,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
 
 def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
                      thread_count: int = 1) -> Path:
-    """Save a sharded state dict as `root/iter_<step>` (collective): temporary directory, fsync,
-    rename, then the tracker."""
+    """Save a sharded state dict as `root/iter_<step>` (collective): temporary directory, the
+    checksum manifest, fsync, rename, then the tracker."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / (checkpoint_name(step) + ".tmp")
@@ -53,6 +55,7 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
     with _fail_if_a_child_dies(f"writing {tmp}"):
         dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
     dist.barrier()
+    _record_checksums(tmp)
 
     if dist.get_rank() == 0:
         _fsync_tree(tmp)
@@ -65,6 +68,20 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _record_checksums(tmp: Path) -> None:
+    """Write `checksums.json` into the finished `tmp` (collective): each rank hashes the chunk
+    files it wrote (`__<rank>_*`, still in its page cache), rank 0 everything else."""
+    rank = dist.get_rank()
+    mine = digests(tmp, [n for n in checkpoint_files(tmp) if n.startswith(f"__{rank}_")])
+    everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        files = {name: d for rank_files in everyone for name, d in rank_files.items()}
+        files |= digests(tmp, [n for n in checkpoint_files(tmp) if n not in files])
+        write_manifest(tmp, files)
+    dist.barrier()
 
 
 @contextlib.contextmanager
