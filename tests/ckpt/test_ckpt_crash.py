@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from ckpt.__main__ import main
 from ckpt.paths import checkpoint_name, resolve_checkpoint
-from tests.conftest import FAST, compose_config, read_metrics
+from tests.conftest import FAST, alive, compose_config, read_metrics
 from trainer.train import Trainer
 
 pytestmark = pytest.mark.slow
@@ -86,15 +85,6 @@ def writer_alive(proc: subprocess.Popen, log: Path, timeout: float = 300) -> lis
             pass
         time.sleep(0.002)
     raise TimeoutError("no writer process seen")
-
-
-def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-    return out
 
 
 def test_sigkill_of_a_rank_mid_save_leaves_no_process_behind(tmp_path: Path) -> None:
