@@ -9,6 +9,7 @@ from ckpt import hf_export, hf_import, inspect, reshape, verify, zarr_export
 from ckpt.destination import DestinationError
 from ckpt.hf_config import HFError
 from ckpt.reader import CheckpointError
+from parallel.lifetime import Interrupted, interruptible
 
 # Errors that are the user's input or the checkpoint, not a bug: one line, no traceback.
 USER_ERRORS = (CheckpointError, reshape.ReshapeError, zarr_export.ExportError, DestinationError,
@@ -30,10 +31,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        with interruptible():  # SIGTERM unwinds too: workers stopped, partial output removed
+            return args.run(args)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"error: {e}; nothing was written", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

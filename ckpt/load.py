@@ -1,9 +1,10 @@
 """Load a training checkpoint, checked before any weight is touched.
 
-A load first checks the checkpoint (`ckpt.reader`): every file present and long enough, every
-item's CRC, every pickle parsed with an allowlist, and every tensor the model asks for present
-with the model's global shape, plus the saved model settings. Only then is anything copied into
-the model.
+A load first checks the checkpoint (`ckpt.reader`, `ckpt.checksums`): every file present and
+long enough, every file's SHA-256 against the manifest written at save time (older checkpoints:
+every item's CRC), every pickle parsed with an allowlist, and every tensor the model asks for
+present with the model's global shape, plus the saved model settings. Only then is anything
+copied into the model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
+from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
 from ckpt.reader import Checkpoint, CheckpointError
 from ckpt.state import rng_key, set_rng_state, training_state
 from models.gpt import transformer_config
@@ -45,16 +47,23 @@ def saved_extra(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def open_checked(ckpt_dir: str | os.PathLike) -> Checkpoint:
-    """The checkpoint, checked on every rank (collective): files present and long enough, CRCs
-    (each rank checks a share of the items) and pickles. Raises `CheckpointError` listing every
+    """The checkpoint, checked on every rank (collective): files present and long enough, the
+    checksum manifest (or, in checkpoints saved without one, the items' CRCs; each rank checks a
+    share) and pickles. Raises `CheckpointError` listing every
     problem on every rank, so no rank goes on to wait for the others."""
     problems: list[str] = []
     ckpt = None
+    share = (dist.get_rank(), dist.get_world_size())
     try:
         ckpt = Checkpoint(ckpt_dir)
         problems = ckpt.check_files()
-        if not problems:
-            problems = ckpt.audit((dist.get_rank(), dist.get_world_size()))
+        if not problems and has_manifest(ckpt.path):
+            # The hashes cover every byte: the items' CRCs would only repeat them.
+            problems = checksum_problems(ckpt.path, share) or ckpt.audit(share, tensors=False)
+        elif not problems:
+            if share[0] == 0:
+                log.warning(missing_manifest_warning(ckpt.path))
+            problems = ckpt.audit(share)
     except CheckpointError as e:
         problems = [str(e)]
     everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]

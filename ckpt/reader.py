@@ -192,8 +192,9 @@ class Checkpoint:
     def files(self) -> list[Path]:
         """Every file of the checkpoint (the chunk files the index names, sorted)."""
         names = {"metadata.json", ".metadata"}
-        if (self.path / "common.pt").is_file():
-            names.add("common.pt")
+        for optional in ("common.pt", "checksums.json"):
+            if (self.path / optional).is_file():
+                names.add(optional)
         names |= {c.item.file for t in self.tensors.values() for c in t.chunks}
         names |= {item.file for item in self.objects.values()}
         return sorted(self.path / n for n in names)

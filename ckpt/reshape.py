@@ -39,6 +39,7 @@ from models.gpt import BuildOptions, build_model, ffn_hidden_size, transformer_c
 from models.schema import ParallelConfig
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
+from parallel.lifetime import run_workers
 
 
 class ReshapeError(RuntimeError):
@@ -224,8 +225,7 @@ def reshape(src: str | Path, dst: str | Path, tp: int, *, dry_run: bool = False,
     dst = Path(dst)
     with staged(dst, overwrite, sources=(src_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
         try:
-            mp.start_processes(_worker, args=(tp, f"{d}/store", str(src_dir), str(tmp), model_only),
-                               nprocs=tp, start_method="spawn")
+            run_workers(_worker, (tp, f"{d}/store", str(src_dir), str(tmp), model_only), tp)
         except mp.ProcessRaisedException as e:
             raise ReshapeError(f"TP rank {e.error_index} failed:\n{e}") from None
         except mp.ProcessExitedException as e:

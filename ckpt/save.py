@@ -1,14 +1,17 @@
 """Save a training checkpoint crash-safely (megatron `dist_checkpointing`, torch_dist backend).
 
-A save goes to `iter_XXXXXXX.tmp/`, is fsynced and renamed when every rank has written, and only
-then the tracker moves, so a crash (even SIGKILL) mid-save leaves the previous checkpoint as the
-one that loads. If one of megatron's writer processes dies, the save fails instead of hanging.
+A save goes to `iter_XXXXXXX.tmp/`, gets its checksum manifest (`ckpt.checksums`) last, is
+fsynced and renamed when every rank has written, and only then the tracker moves, so a crash
+(even SIGKILL) mid-save leaves the previous checkpoint as the one that loads. If one of
+megatron's writer processes dies, the save fails instead of hanging; the writers die with the
+rank that forked them, and no Manager process is started (`_collect_results_in_process`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -20,10 +23,13 @@ import psutil
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from ckpt.checksums import checkpoint_files, digests, write_manifest
 from ckpt.paths import TRACKER, checkpoint_name
 from ckpt.state import training_state
+from parallel.lifetime import forks_die_with_parent
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: Any,
@@ -38,8 +44,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
 
 def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
                      thread_count: int = 1) -> Path:
-    """Save a sharded state dict as `root/iter_<step>` (collective): temporary directory, fsync,
-    rename, then the tracker."""
+    """Save a sharded state dict as `root/iter_<step>` (collective): temporary directory, the
+    checksum manifest, fsync, rename, then the tracker."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / (checkpoint_name(step) + ".tmp")
@@ -50,9 +56,12 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
     dist.barrier()
 
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
-    with _fail_if_a_child_dies(f"writing {tmp}"):
+    _collect_results_in_process()
+    with _fail_if_a_child_dies(f"writing {tmp}"), _writers_stopped_on_failure(), \
+            forks_die_with_parent():
         dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
     dist.barrier()
+    _record_checksums(tmp)
 
     if dist.get_rank() == 0:
         _fsync_tree(tmp)
@@ -65,6 +74,45 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _record_checksums(tmp: Path) -> None:
+    """Write `checksums.json` into the finished `tmp` (collective): each rank hashes the chunk
+    files it wrote (`__<rank>_*`, still in its page cache), rank 0 everything else."""
+    rank = dist.get_rank()
+    mine = digests(tmp, [n for n in checkpoint_files(tmp) if n.startswith(f"__{rank}_")])
+    everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        files = {name: d for rank_files in everyone for name, d in rank_files.items()}
+        files |= digests(tmp, [n for n in checkpoint_files(tmp) if n not in files])
+        write_manifest(tmp, files)
+    dist.barrier()
+
+
+def _collect_results_in_process() -> None:
+    """megatron's writers report to a queue served by a multiprocessing Manager (a spawned
+    server process that outlives a killed rank) so that an asynchronous save can read it from
+    another process; a synchronous save puts and gets in this one, so a plain queue serves."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+@contextlib.contextmanager
+def _writers_stopped_on_failure() -> Iterator[None]:
+    """If the save fails or is interrupted, kill the writer processes it forked (they would go
+    on writing into a directory that is about to be removed)."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    try:
+        yield
+    except BaseException:
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):  # gone already
+                if child.pid not in before and child.cmdline() == me.cmdline():  # forked
+                    child.kill()
+                    child.wait(5)
+        raise
 
 
 @contextlib.contextmanager

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
 from ckpt.inspect import format_table, human_bytes
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint, CheckpointError
 
 
 def check(ckpt: Checkpoint, progress: bool = True) -> list[str]:
-    """Every problem found reading the whole checkpoint: missing or truncated files, CRC
-    errors, unsafe or unreadable objects, tensors whose chunks are unreadable or incomplete."""
+    """Every problem found reading the whole checkpoint: missing or truncated files, files that
+    differ from the checksum manifest or are missing from it or extra, CRC errors, unsafe or
+    unreadable objects, tensors whose chunks are unreadable or incomplete."""
     problems = ckpt.check_files()
     if problems:  # reading would only repeat these
         return problems
-    problems = ckpt.audit(tensors=False)  # objects; tensors are read (and CRC-checked) below
+    if has_manifest(ckpt.path):
+        problems = checksum_problems(ckpt.path)
+    problems += ckpt.audit(tensors=False)  # objects; tensors are read (and CRC-checked) below
     for key in tqdm(sorted(ckpt.tensors), desc="reading tensors", unit="tensor",
                     disable=not progress):
         try:
@@ -73,10 +78,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "verify", help="read every tensor; optionally compare with another checkpoint",
         description="Read every tensor of a checkpoint and check it is complete and readable: "
-                    "all files present and long enough, every stored item's CRC-32, every "
-                    "pickled object loadable without running code, every tensor fully covered "
-                    "by its chunks. With --against, compare the two checkpoints tensor by "
-                    "tensor. Exits 1 on any problem or mismatch.")
+                    "all files present and long enough, every file's SHA-256 as recorded at save "
+                    "time in checksums.json (naming each changed, missing or extra file), every "
+                    "stored item's CRC-32, every pickled object loadable without running code, "
+                    "every tensor fully covered by its chunks. With --against, compare the two "
+                    "checkpoints tensor by tensor. Exits 1 on any problem or mismatch.")
     p.add_argument("dir", help=CHECKPOINT_HELP)
     p.add_argument("--against", metavar="OTHER",
                    help="compare with this checkpoint: same keys, shapes, dtypes and values")
@@ -88,6 +94,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(resolve_checkpoint(args.dir))
     if args.against is None:
+        if not has_manifest(ckpt.path):
+            print(f"warning: {missing_manifest_warning(ckpt.path)}", file=sys.stderr)
         problems = check(ckpt)
         for p in problems:
             print(f"FAIL {p}")

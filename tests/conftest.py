@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -101,6 +103,16 @@ def single_process():
     initialize_parallel(torch.device("cpu"), tp=1, seed=0)
     yield
     shutdown()
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `processes` still running (zombies, dead but not yet reaped, do not count)."""
+    out = []
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
 
 
 def free_port() -> int:

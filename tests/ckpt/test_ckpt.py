@@ -17,6 +17,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from ckpt.__main__ import main
+from ckpt.checksums import checksum_problems, has_manifest
 from ckpt.load import CheckpointMismatchError, load_checkpoint
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint, CheckpointError, object_location
@@ -176,6 +177,12 @@ def test_export_import_round_trip_is_bitwise(root: Path, tmp_path: Path, capsys)
     assert qkv["tp_axis"] == 1 and qkv["chunk_shape"] == [1, 256, 128] and qkv["dtype"] == "float32"
     assert ckpt_main(["import", tmp_path / "zarr", tmp_path / "back"], capsys)[0] == 0
     assert_same_checkpoint(resolve_checkpoint(root), resolve_checkpoint(tmp_path / "back"), capsys)
+    assert_checksummed(resolve_checkpoint(tmp_path / "back"))
+
+
+def assert_checksummed(ckpt: Path) -> None:
+    """The checkpoint carries a checksum manifest and matches it."""
+    assert has_manifest(ckpt) and checksum_problems(ckpt) == []
 
 
 def assert_same_checkpoint(a: Path, b: Path, capsys) -> None:
@@ -262,6 +269,7 @@ def test_a_bf16_checkpoint_reshapes_on_cpu_keeping_its_dtypes(root: Path, tmp_pa
     code, out = ckpt_main(["reshape", bf16, tmp_path / "tp2", "--target-tp", "2", "--verify"],
                           capsys)
     assert code == 0 and "verified: 32 tensors (8 model) bitwise equal" in out, out
+    assert_checksummed(resolve_checkpoint(tmp_path / "tp2"))
     tensors = Checkpoint(resolve_checkpoint(tmp_path / "tp2")).tensors
     assert tensors["embedding.word_embeddings.weight"].dtype == torch.bfloat16
     assert tensors["optimizer.state.fp32_param.embedding.word_embeddings.weight"].dtype == \

@@ -9,12 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from ckpt.__main__ import main
 from ckpt.paths import checkpoint_name, resolve_checkpoint
-from tests.conftest import FAST, compose_config, read_metrics
+from tests.conftest import FAST, alive, compose_config, read_metrics
 from trainer.train import Trainer
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,48 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resume_works(run_tra
                            name="resumed")
     assert [r["step"] for r in resumed] == [step] and resumed[0]["loss"] == logged[step]
     assert not partial.exists() and resolve_checkpoint(root) == root / checkpoint_name(step)
+
+
+def writer_alive(proc: subprocess.Popen, log: Path, timeout: float = 300) -> list[psutil.Process]:
+    """Every process of `proc`'s tree, once one of megatron's forked writers is among them."""
+    me = psutil.Process(proc.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError("the run ended before a writer was seen:\n"
+                                 + log.read_text()[-3000:])
+        try:
+            tree = me.children(recursive=True)
+            if any(p.ppid() == proc.pid and p.cmdline() == me.cmdline() for p in tree):
+                return tree
+        except psutil.NoSuchProcess:  # a writer finished while we looked
+            pass
+        time.sleep(0.002)
+    raise TimeoutError("no writer process seen")
+
+
+def test_sigkill_of_a_rank_mid_save_leaves_no_process_behind(tmp_path: Path) -> None:
+    args = FAST + BIG + ["trainer.max_steps=50", "trainer.save_interval=1", "hydra.run.dir=run"]
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:  # its own session, so a failure below can clean up after it
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
+                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    tree: list[psutil.Process] = []
+    try:
+        tree = writer_alive(proc, log)
+        os.kill(proc.pid, signal.SIGKILL)  # the rank only, as an OOM killer would
+        proc.wait()
+        deadline = time.monotonic() + 3
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in alive(tree)]
+        assert not left, f"left behind after SIGKILL of the rank: {left}"
+    finally:
+        for p in alive(tree):
+            p.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _killed(*args, **kwargs) -> None:

@@ -1,0 +1,77 @@
+"""`python -m ckpt reshape` interrupted by a signal to its parent process only: it stops its
+worker ranks, removes its temporary output and exits non-zero within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import FAST, alive, compose_config
+from trainer.train import train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints root of a 2-step TP=1 run."""
+    run_dir = tmp_path_factory.mktemp("tp1")
+    train(compose_config(FAST + ["trainer.max_steps=2", "trainer.save_interval=2",
+                                 f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
+    return run_dir / "checkpoints"
+
+
+def workers_started(proc: subprocess.Popen, count: int, timeout: float = 120) -> list:
+    """The processes of `proc`'s tree once `count` spawned workers are running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "reshape ended before its workers could be interrupted"
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            if sum("spawn_main" in " ".join(p.cmdline()) for p in tree) >= count:
+                return tree
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("the workers did not start")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_reshape_parent_stops_everything_and_keeps_nothing(
+        root: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "ckpt", "reshape", str(root), str(out / "dst"), "--target-tp",
+           "2"]
+    # Its own session: the signal reaches the parent only, not a terminal's process group.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    tree: list = []
+    try:
+        tree = workers_started(proc, 2)
+        time.sleep(1)  # the workers are importing or loading
+        os.kill(proc.pid, sig)
+        start = time.monotonic()
+        output, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+        assert proc.returncode == 128 + sig, output[-2000:]
+        assert f"interrupted by {sig.name}" in output
+        assert took < 10, f"took {took:.1f} s to exit"
+        assert sorted(p.name for p in out.iterdir()) == []  # no DST, no hidden .dst.tmp-*
+        deadline = time.monotonic() + 3
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(tree) == [], [" ".join(p.cmdline())[:100] for p in alive(tree)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in alive(tree):
+            p.kill()
