@@ -261,8 +261,10 @@ class Trainer:
             if self.step % t.log_interval == 0 or "val_loss" in row:
                 self.metrics.log(row)
                 log.info(_format(row))
-            if self.cfg.checkpoint.save and t.save_interval and self.step % t.save_interval == 0:
-                self.save()
+            if self.cfg.checkpoint.save and (
+                    self.step == t.max_steps
+                    or (t.save_interval and self.step % t.save_interval == 0)):
+                self.save()  # the last step always: a run's end is never lost
         return row
 
     def close(self) -> None:

@@ -105,3 +105,15 @@ def _report_memory(root: str) -> None:
 def test_logged_memory_is_the_peak_of_the_most_loaded_rank(tmp_path: Path) -> None:
     spawn(_report_memory, str(tmp_path), world=2, tp=1)
     assert [float((tmp_path / f"rank{r}").read_text()) for r in range(2)] == [2.0, 2.0]
+
+
+def test_the_final_step_is_saved_off_the_save_interval(run_training, tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=5", "trainer.save_interval=4"])
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
+    assert resolve_checkpoint(root).name == "iter_0000005"
+
+
+def test_no_checkpoint_at_all_with_save_false(run_training, tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=3", "trainer.save_interval=2", "checkpoint.save=false"])
+    assert not (tmp_path / "run" / "checkpoints").exists()
