@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -117,3 +119,19 @@ def test_the_final_step_is_saved_off_the_save_interval(run_training, tmp_path: P
 def test_no_checkpoint_at_all_with_save_false(run_training, tmp_path: Path) -> None:
     run_training(["trainer.max_steps=3", "trainer.save_interval=2", "checkpoint.save=false"])
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_resume_into_the_same_directory_logs_each_step_once(run_training,
+                                                              tmp_path: Path) -> None:
+    # The run saved at step 2 and died after logging step 4, before its save: resuming from
+    # step 2 repeats steps 3 and 4.
+    first = run_training(["trainer.max_steps=4", "trainer.save_interval=2"])
+    root = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(root / "iter_0000004")
+    (root / TRACKER).write_text("2\n")
+    rows = run_training(["trainer.max_steps=4", f"checkpoint.load={root}"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == first[:2]
+    aside = list((tmp_path / "run").glob("metrics.*.jsonl"))
+    assert len(aside) == 1
+    assert [json.loads(line)["step"] for line in aside[0].read_text().splitlines()] == [3, 4]
