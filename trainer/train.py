@@ -17,7 +17,6 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from omegaconf import DictConfig, OmegaConf
 
 from ckpt.load import load_checkpoint
-from ckpt.paths import resolve_checkpoint
 from ckpt.save import save_checkpoint
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import BuildOptions, build_model
@@ -34,6 +33,7 @@ from trainer.data import DataIterator, build_datasets, validation_batches
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
+from trainer.resume import apply_optimizer_settings, resume_point
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
+        resume_from = resume_point(cfg)  # settings checked against the checkpoint's, up front
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg.trainer.device)
@@ -120,7 +121,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.consumed_samples = 0
-        wandb_id = self._resume(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        wandb_id = self._resume(resume_from) if resume_from else None
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
             config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
@@ -176,10 +177,10 @@ class Trainer:
                  cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.dp,
                  self.device.type, " bf16" if c.bf16 else " fp32")
 
-    def _resume(self, path: str) -> str | None:
-        ckpt = resolve_checkpoint(path)
+    def _resume(self, ckpt: Path) -> str | None:
         log.info("resuming from %s", ckpt)
         extra = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+        apply_optimizer_settings(self.optimizer, self.scheduler, self.cfg)
         self.step = extra["step"]
         self.consumed_samples = extra["consumed_samples"]
         return extra.get("wandb_id")
