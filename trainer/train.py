@@ -34,6 +34,7 @@ from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
 from trainer.resume import apply_optimizer_settings, resume_point
+from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
         resume_from = resume_point(cfg)  # settings checked against the checkpoint's, up front
+        check_checkpoints(cfg, run_dir)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg.trainer.device)
@@ -122,6 +124,8 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         wandb_id = self._resume(resume_from) if resume_from else None
+        if cfg.checkpoint.overwrite and cfg.checkpoint.save and self.topo.is_main:
+            drop_checkpoints_after(checkpoints_root(cfg, run_dir), self.step)
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
             config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
@@ -214,9 +218,7 @@ class Trainer:
             with_context_parallel=True)).item()
 
     def save(self) -> Path:
-        root = Path(self.cfg.checkpoint.dir)
-        if not root.is_absolute():
-            root = self.run_dir / root
+        root = checkpoints_root(self.cfg, self.run_dir)
         extra = {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
