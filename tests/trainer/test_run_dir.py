@@ -95,3 +95,23 @@ def test_rerunning_a_finished_directory_needs_load_or_overwrite(tmp_path: Path) 
                            "checkpoint.overwrite=true"], tmp_path))
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", TRACKER]
     assert (root / TRACKER).read_text().strip() == "3"
+
+
+def test_every_torchrun_rank_refuses_a_held_directory(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from trainer.run_dir import hold; hold(Path('run')); print('held', flush=True); "
+         "time.sleep(600)"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--standalone", "-m", "trainer", *TINY, "hydra.run.dir=run"], cwd=tmp_path,
+            capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert proc.returncode != 0
+    refusals = [line for line in proc.stderr.splitlines()
+                if line.startswith("error: run directory")]
+    assert len(refusals) == 2 and all(f"pid {holder.pid} on" in line for line in refusals)
