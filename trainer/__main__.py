@@ -1,7 +1,8 @@
 """`python -m trainer [overrides]`: one Hydra run (also under `torchrun --nproc-per-node N`).
 
-Under torchrun, ranks first agree on one run directory (rank 0's timestamp); only rank 0 writes
-`.hydra/`, the job log, metrics and wandb; the other ranks create no directories.
+Under torchrun, ranks first agree on one run directory (rank 0's stamp); only rank 0 writes
+`.hydra/`, the job log, metrics and wandb; the other ranks create no directories. Rank 0 locks
+the run directory before Hydra writes into it (`trainer.run_dir`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 
 from parallel.distributed import init_process_group, resolve_device
 from trainer.config import register_configs
+from trainer.errors import UserError
 
 register_configs()
 # Long-context steps allocate a few huge activation blocks; expandable segments keep the caching
@@ -36,11 +38,16 @@ def _device_override(argv: list[str]) -> str:
     return "auto"
 
 
+def _run_stamp() -> str:
+    """`<date>/<time>-<pid>`: jobs started in the same second get different run directories."""
+    return f"{time.strftime('%Y-%m-%d/%H-%M-%S')}-{os.getpid()}"
+
+
 def _agree_on_run_dir() -> None:
     """Join the process group early and give every rank rank 0's run-directory stamp; silence
     Hydra's outputs on the other ranks."""
     init_process_group(resolve_device(_device_override(sys.argv[1:])))
-    stamp = [time.strftime("%Y-%m-%d/%H-%M-%S")]
+    stamp = [_run_stamp()]
     dist.broadcast_object_list(stamp, src=0)
     os.environ["LONGCTX_RUN_STAMP"] = stamp[0]
     if dist.get_rank() != 0:
@@ -50,14 +57,24 @@ def _agree_on_run_dir() -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def run(cfg: DictConfig) -> None:
-    from trainer.train import train  # after Hydra: heavy imports only once the config is valid
+    from trainer.run_dir import raise_refusal
 
-    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        raise_refusal()
+        from trainer.train import train  # heavy imports once the config and directory are fine
+
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _agree_on_run_dir()
+    else:
+        os.environ["LONGCTX_RUN_STAMP"] = _run_stamp()
+    sys.argv.append("+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir")
     run()
 
 

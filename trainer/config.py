@@ -69,6 +69,11 @@ class CheckpointConfig:
     load: str | None = None  # a checkpoints root (latest complete) or one iter_* directory
     save: bool = True
     thread_count: int = 1
+    # A fresh run into a directory that holds checkpoints: remove them first (else refused).
+    overwrite: bool = False
+    # A resume with another lr, min_lr, warmup, decay style, weight decay or Adam betas: apply
+    # them (else refused; trainer/resume.py).
+    override_scheduler: bool = False
 
 
 @dataclass

@@ -25,13 +25,30 @@ class MetricsLogger:
         self.wandb_run = None
         if not enabled:
             return
-        if start_step == 0 and self.path.exists():
-            # A fresh run in a reused run directory: keep the old rows, but not in our file.
-            old = self.path.with_name(f"metrics.{int(time.time())}.jsonl")
-            self.path.rename(old)
-            log.warning("run directory already had metrics.jsonl: moved it to %s", old.name)
+        if self.path.exists():
+            self._set_aside_rows_after(start_step)
         if wandb_cfg is not None and wandb_cfg.wandb:
             self.wandb_run = start_wandb(run_dir, wandb_cfg, config or {}, wandb_id)
+
+    def _set_aside_rows_after(self, start_step: int) -> None:
+        """Keep one row per step: rows past `start_step` (a fresh run: every row; a resume: the
+        steps it repeats) move to `metrics.<unix time>.jsonl`, so nothing is lost."""
+        kept, aside = [], []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a kill
+                step = None
+            (kept if step is not None and step <= start_step else aside).append(line)
+        if not aside:
+            return
+        old = self.path.with_name(f"metrics.{int(time.time())}.jsonl")
+        old.write_text("".join(aside))
+        tmp = self.path.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+        log.warning("metrics.jsonl held %d rows after step %d: moved them to %s", len(aside),
+                    start_step, old.name)
 
     @property
     def wandb_id(self) -> str | None:

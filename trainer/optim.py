@@ -31,13 +31,18 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, bf16: bool):
 
 
 def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
-    """Linear warm-up to `trainer.lr`, then `lr_decay_style` down to `min_lr` at `max_steps`."""
+    """Linear warm-up to `trainer.lr`, then `lr_decay_style` down to `min_lr` at `max_steps`.
+
+    On resume the checkpoint supplies the step count and these values win (megatron's
+    `override_opt_param_scheduler`): `trainer.resume` lets them differ from the saved ones only
+    where that is asked for (a longer `max_steps`, `checkpoint.override_scheduler`)."""
     t = cfg.trainer
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
         lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.max_steps,
         lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.max_steps, wd_incr_style="constant",
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
 
 

@@ -17,7 +17,6 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from omegaconf import DictConfig, OmegaConf
 
 from ckpt.load import load_checkpoint
-from ckpt.paths import resolve_checkpoint
 from ckpt.save import save_checkpoint
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import BuildOptions, build_model
@@ -35,6 +34,8 @@ from trainer.init_from import adopt_saved_model
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
+from trainer.resume import apply_optimizer_settings, resume_point
+from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,15 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
+        # A checkpoint brings its model config; a model-only one is a fine-tune start, any
+        # other a resume whose settings are checked against the saved ones, up front.
+        start = adopt_saved_model(cfg) if cfg.checkpoint.load else None
+        resume_from = None if start else resume_point(cfg)
+        check_checkpoints(cfg, run_dir)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg.trainer.device)
         self._setup_parallel()
-        # A checkpoint brings its model config; a model-only one is a fine-tune start.
-        start = adopt_saved_model(cfg) if cfg.checkpoint.load else None
         tokenizer = self._setup_data()
         vocab = tokenizer.vocab_size
         self._setup_model(start.vocab_size(vocab, cfg.data.tokenizer) if start else vocab)
@@ -128,8 +132,10 @@ class Trainer:
         if start:
             log.info("fine-tuning from the model-only checkpoint %s (step 0)", start.path)
             start.load(self.model)
-        elif cfg.checkpoint.load:
-            wandb_id = self._resume(cfg.checkpoint.load)
+        elif resume_from:
+            wandb_id = self._resume(resume_from)
+        if cfg.checkpoint.overwrite and cfg.checkpoint.save and self.topo.is_main:
+            drop_checkpoints_after(checkpoints_root(cfg, run_dir), self.step)
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
             config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
@@ -185,10 +191,10 @@ class Trainer:
                  cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.dp,
                  self.device.type, " bf16" if c.bf16 else " fp32")
 
-    def _resume(self, path: str) -> str | None:
-        ckpt = resolve_checkpoint(path)
+    def _resume(self, ckpt: Path) -> str | None:
         log.info("resuming from %s", ckpt)
         extra = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+        apply_optimizer_settings(self.optimizer, self.scheduler, self.cfg)
         self.step = extra["step"]
         self.consumed_samples = extra["consumed_samples"]
         return extra.get("wandb_id")
@@ -222,9 +228,7 @@ class Trainer:
             with_context_parallel=True)).item()
 
     def save(self) -> Path:
-        root = Path(self.cfg.checkpoint.dir)
-        if not root.is_absolute():
-            root = self.run_dir / root
+        root = checkpoints_root(self.cfg, self.run_dir)
         extra = {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
@@ -270,8 +274,10 @@ class Trainer:
             if self.step % t.log_interval == 0 or "val_loss" in row:
                 self.metrics.log(row)
                 log.info(_format(row))
-            if self.cfg.checkpoint.save and t.save_interval and self.step % t.save_interval == 0:
-                self.save()
+            if self.cfg.checkpoint.save and (
+                    self.step == t.max_steps
+                    or (t.save_interval and self.step % t.save_interval == 0)):
+                self.save()  # the last step always: a run's end is never lost
         return row
 
     def close(self) -> None:

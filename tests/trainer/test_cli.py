@@ -45,7 +45,7 @@ def test_tp2_matches_tp1_and_its_checkpoint_resumes_at_tp1_and_tp2(tmp_path: Pat
     # Only rank 0 wrote Hydra's outputs: one run directory, one job log.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp1", "tp2"]
     assert sorted(p.name for p in (tmp_path / "tp2").iterdir()) == [
-        ".hydra", "checkpoints", "metrics.jsonl", "train.log"]
+        ".hydra", "checkpoints", "metrics.jsonl", "run.lock", "train.log"]
 
     # The TP=2 checkpoint at step 3 resumes at TP=1 and at TP=2 with the same next-step losses.
     assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path, common)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -105,3 +107,31 @@ def _report_memory(root: str) -> None:
 def test_logged_memory_is_the_peak_of_the_most_loaded_rank(tmp_path: Path) -> None:
     spawn(_report_memory, str(tmp_path), world=2, tp=1)
     assert [float((tmp_path / f"rank{r}").read_text()) for r in range(2)] == [2.0, 2.0]
+
+
+def test_the_final_step_is_saved_off_the_save_interval(run_training, tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=5", "trainer.save_interval=4"])
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
+    assert resolve_checkpoint(root).name == "iter_0000005"
+
+
+def test_no_checkpoint_at_all_with_save_false(run_training, tmp_path: Path) -> None:
+    run_training(["trainer.max_steps=3", "trainer.save_interval=2", "checkpoint.save=false"])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_resume_into_the_same_directory_logs_each_step_once(run_training,
+                                                              tmp_path: Path) -> None:
+    # The run saved at step 2 and died after logging step 4, before its save: resuming from
+    # step 2 repeats steps 3 and 4.
+    first = run_training(["trainer.max_steps=4", "trainer.save_interval=2"])
+    root = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(root / "iter_0000004")
+    (root / TRACKER).write_text("2\n")
+    rows = run_training(["trainer.max_steps=4", f"checkpoint.load={root}"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == first[:2]
+    aside = list((tmp_path / "run").glob("metrics.*.jsonl"))
+    assert len(aside) == 1
+    assert [json.loads(line)["step"] for line in aside[0].read_text().splitlines()] == [3, 4]

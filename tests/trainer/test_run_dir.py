@@ -1,0 +1,117 @@
+"""The run directory: one run at a time, unique default names, no mixing with old checkpoints.
+
+Real `python -m trainer` processes: the lock must hold across processes and die with them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt.paths import TRACKER
+from tests.conftest import FAST, read_metrics
+
+pytestmark = pytest.mark.slow
+
+TINY = FAST + ["trainer.max_steps=2", "data.max_documents=20"]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=cwd,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen, rc: int = 0) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == rc, f"rc {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+    return err
+
+
+def test_jobs_started_together_get_their_own_default_directories(tmp_path: Path) -> None:
+    procs = [_start(TINY + ["checkpoint.save=false"], tmp_path) for _ in range(2)]
+    for proc in procs:
+        _finish(proc)
+    dirs = sorted(tmp_path.glob("outputs/*/*"))
+    # <date>/<time>-<pid>: the pid tells jobs of the same second apart.
+    assert sorted(d.name.rsplit("-", 1)[1] for d in dirs) == sorted(str(p.pid) for p in procs)
+    for d in dirs:
+        assert [r["step"] for r in read_metrics(d)] == [1, 2]
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes | float]:
+    """Every file's bytes (the lock file aside: it names its latest holder)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != "run.lock"}
+
+
+def test_a_held_directory_is_refused_until_its_holder_dies(tmp_path: Path) -> None:
+    holder = _start(FAST + ["trainer.max_steps=100000", "trainer.save_interval=0",
+                            "hydra.run.dir=run"], tmp_path)
+    run_dir = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():  # the holder is training
+            assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()
+            time.sleep(0.5)
+        before = _snapshot(run_dir)
+        err = _finish(_start(TINY + ["hydra.run.dir=run"], tmp_path), rc=2)
+        assert err.strip().splitlines()[-1].startswith("error:") and "Traceback" not in err
+        assert f"pid {holder.pid} on" in err and "hydra.run.dir" in err
+        after = _snapshot(run_dir)  # the holder's .hydra/ as it was; its log only grew
+        assert {k: v for k, v in after.items() if k.startswith(".hydra")} == {
+            k: v for k, v in before.items() if k.startswith(".hydra")}
+        assert after["train.log"].startswith(before["train.log"])
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate()
+    # SIGKILL released the lock: the next run takes the directory.
+    _finish(_start(TINY + ["hydra.run.dir=run", "checkpoint.save=false"], tmp_path))
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_rerunning_a_finished_directory_needs_load_or_overwrite(tmp_path: Path) -> None:
+    _finish(_start(TINY + ["hydra.run.dir=run", "trainer.save_interval=1"], tmp_path))
+    run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    before = _snapshot(run_dir)
+    err = _finish(_start(TINY + ["hydra.run.dir=run", "trainer.max_steps=1"], tmp_path), rc=2)
+    assert "checkpoint.overwrite=true" in err and f"checkpoint.load={root}" in err
+    assert _snapshot(run_dir) == before  # tracker, iter_*, .hydra/ and the log untouched
+    assert (root / TRACKER).read_text().strip() == "2"
+
+    # Resuming an older checkpoint of the same directory would mix two histories.
+    err = _finish(_start(TINY + ["hydra.run.dir=run", "trainer.max_steps=3",
+                                 f"checkpoint.load={root / 'iter_0000001'}"], tmp_path), rc=2)
+    assert "checkpoint.overwrite=true" in err and _snapshot(run_dir) == before
+
+    # overwrite: the old checkpoints go, so the tracker never points back among stale ones.
+    _finish(_start(TINY + ["hydra.run.dir=run", "trainer.max_steps=3",
+                           "checkpoint.overwrite=true"], tmp_path))
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", TRACKER]
+    assert (root / TRACKER).read_text().strip() == "3"
+
+
+def test_every_torchrun_rank_refuses_a_held_directory(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from trainer.run_dir import hold; hold(Path('run')); print('held', flush=True); "
+         "time.sleep(600)"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--standalone", "-m", "trainer", *TINY, "hydra.run.dir=run"], cwd=tmp_path,
+            capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert proc.returncode != 0
+    refusals = [line for line in proc.stderr.splitlines()
+                if line.startswith("error: run directory")]
+    assert len(refusals) == 2 and all(f"pid {holder.pid} on" in line for line in refusals)

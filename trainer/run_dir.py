@@ -1,0 +1,149 @@
+"""One run per run directory, and no run that silently mixes with another's checkpoints.
+
+- Rank 0 holds `run.lock` (an `fcntl.flock`, holding its pid and host) for the process's life:
+  the OS releases it on any exit, SIGKILL included, so it is never stale; a second run into the
+  directory is refused naming the holder.
+- A run into a directory whose `checkpoint.dir` holds checkpoints must resume from the newest of
+  them, or say `checkpoint.overwrite=true`: then every checkpoint after the step it starts at
+  (all of them for a fresh run) is removed first, so the tracker never moves back while stale
+  `iter_*` stay.
+
+`python -m trainer` claims the directory in a Hydra callback (`ClaimRunDir`), before Hydra
+writes `.hydra/` or the log there; a refused run writes nothing into the directory and raises
+its `UserError` when the job starts (`raise_refusal`), on every rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+
+from ckpt.paths import TRACKER, checkpoint_name, resolve_checkpoint
+from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOCK = "run.lock"
+_held: dict[Path, int] = {}  # run directory -> the open lock file, kept for the process's life
+_refusal: list[UserError] = []
+
+
+class RunDirError(UserError):
+    """The run directory is in use, or holds checkpoints this run would mix with."""
+
+
+def hold(run_dir: Path) -> None:
+    """Take the run directory's lock for the rest of this process, or raise naming its holder."""
+    run_dir = run_dir.absolute()
+    if run_dir in _held:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            raise
+        holder = (run_dir / LOCK).read_text().strip() or "another process"
+        raise RunDirError(f"run directory {run_dir} is in use by {holder}: choose another "
+                          "hydra.run.dir, or wait for that run to end") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    _held[run_dir] = fd
+
+
+def checkpoints_root(cfg: DictConfig, run_dir: Path) -> Path:
+    root = Path(cfg.checkpoint.dir)
+    return root if root.is_absolute() else run_dir / root
+
+
+def saved_steps(root: Path) -> list[int]:
+    """Steps of the `iter_*` directories under `root` (complete or not; not `.tmp`/`.old`)."""
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir() if re.fullmatch(r"iter_\d+", p.name))
+
+
+def check_checkpoints(cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse a run whose saves would mix with the checkpoints already in `checkpoint.dir`."""
+    root = checkpoints_root(cfg, run_dir)
+    steps = saved_steps(root)
+    if not steps and not (root / TRACKER).exists():
+        return
+    if cfg.checkpoint.overwrite or not cfg.checkpoint.save:
+        return
+    newest = steps[-1] if steps else 0
+    if not cfg.checkpoint.load:
+        raise RunDirError(
+            f"{root} already holds checkpoints (up to step {newest}): resume them with "
+            f"checkpoint.load={root}, replace them with checkpoint.overwrite=true, or choose "
+            "another hydra.run.dir")
+    try:
+        start = resolve_checkpoint(cfg.checkpoint.load)
+    except (FileNotFoundError, ValueError):
+        return  # the trainer reports the load path itself
+    if start.parent.resolve() != root.resolve() or int(start.name[5:]) < newest:
+        raise RunDirError(
+            f"{root} holds checkpoints up to step {newest} that resuming {start} would mix "
+            f"with: load {root} (its newest), or drop them with checkpoint.overwrite=true")
+
+
+def drop_checkpoints_after(root: Path, step: int) -> None:
+    """`checkpoint.overwrite`: remove every checkpoint after `step` (and any partial save), and
+    point the tracker at the newest one kept."""
+    for path in list(root.iterdir()) if root.is_dir() else []:
+        match = re.fullmatch(r"iter_(\d+)(\.tmp|\.old)?", path.name)
+        if match and (match[2] or int(match[1]) > step):
+            shutil.rmtree(path)
+    kept = saved_steps(root)
+    tracker = root / TRACKER
+    if kept and (root / checkpoint_name(kept[-1]) / "metadata.json").is_file():
+        tmp = root / (TRACKER + ".tmp")
+        tmp.write_text(f"{kept[-1]}\n")
+        os.replace(tmp, tracker)
+    elif tracker.exists():
+        tracker.unlink()
+    log.warning("checkpoint.overwrite: removed the checkpoints of %s after step %d", root, step)
+
+
+class ClaimRunDir(Callback):
+    """Hydra callback of `python -m trainer`: lock and check the run directory on rank 0
+    before Hydra writes into it; a refusal mutes Hydra's outputs and waits for the job."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        run_dir = Path(str(config.hydra.run.dir)).absolute()
+        try:
+            hold(run_dir)
+            check_checkpoints(config, run_dir)
+        except RunDirError as e:
+            _refusal.append(e)
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.output_subdir = None  # keep the holder's .hydra/ and log as they are
+                logging_cfg = config.hydra.job_logging
+                if "handlers" in logging_cfg and "file" in logging_cfg.handlers:
+                    del logging_cfg.handlers["file"]
+                    logging_cfg.root.handlers = [h for h in logging_cfg.root.handlers
+                                                 if h != "file"]
+
+
+def raise_refusal() -> None:
+    """Raise the refusal `ClaimRunDir` recorded on rank 0, on every rank."""
+    message = [str(_refusal[0]) if _refusal else ""]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if message[0]:
+        raise RunDirError(message[0])
