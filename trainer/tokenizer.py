@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from trainer.errors import UserError
+
 
 class Tokenizer(Protocol):
     """What the data pipeline needs from a tokenizer."""
@@ -107,5 +109,5 @@ def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:
         return ByteTokenizer()
     if spec.endswith(".json"):
         return JsonTokenizer(spec)
-    raise ValueError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "
+    raise UserError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "
                      "`tokenizers` JSON file ending in .json")
