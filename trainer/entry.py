@@ -57,9 +57,24 @@ def exits_on_user_error(func: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def _leave_process_group() -> None:
-    """Destroy the process group (if any) so a rank leaving on a user error does so quietly."""
+def _leave_process_group(wait_s: float = 10.0) -> None:
+    """Meet the other ranks (rank 0 has printed by then) and destroy the process group, so that
+    torchrun, which stops the job at the first rank to exit, does not cut rank 0 short. A rank
+    that raised alone does not wait for ever: the barrier runs in a daemon thread."""
+    import threading
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1:
+        met = threading.Event()
+
+        def barrier() -> None:
+            dist.barrier()
+            met.set()
+
+        threading.Thread(target=barrier, daemon=True).start()
+        if not met.wait(wait_s):
+            return
+    dist.destroy_process_group()

@@ -156,15 +156,15 @@ def _check_parallel(p: DictConfig, seq_length: int, device: str,
     """TP/CP sizes against the world size and sequence length; returns the data-parallel size."""
     _at_least(p, "tp", 1, prefix="parallel")
     _at_least(p, "cp", 1, prefix="parallel")
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (p.tp * p.cp):
-        raise UserError(f"parallel.tp x parallel.cp ({p.tp} x {p.cp}) must divide the number of "
-                        f"ranks ({world}); change them or torchrun's --nproc-per-node")
     # Only context parallelism cares about parity: each CP rank holds pieces r and 2N-1-r of
     # every sequence (load balance for causal attention). Without CP any length works.
     if p.cp > 1 and seq_length % (2 * p.cp):
         raise UserError(f"trainer.seq_length ({seq_length}) must be divisible by 2 x parallel.cp "
-                        f"({2 * p.cp}): each CP rank holds two of the 2 x cp pieces of a sequence")
+                        f"({p.cp}): each CP rank holds two of the 2 x cp pieces of a sequence")
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (p.tp * p.cp):
+        raise UserError(f"parallel.tp x parallel.cp ({p.tp} x {p.cp}) must divide the number of "
+                        f"ranks ({world}); change them or torchrun's --nproc-per-node")
     check_distributed_optimizer(p.distributed_optimizer, device)
     return world // (p.tp * p.cp)
 
