@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 from omegaconf import DictConfig
 
@@ -161,7 +162,8 @@ def _check_parallel(p: DictConfig, seq_length: int, device: str,
     if p.cp > 1 and seq_length % (2 * p.cp):
         raise UserError(f"trainer.seq_length ({seq_length}) must be divisible by 2 x parallel.cp "
                         f"({p.cp}): each CP rank holds two of the 2 x cp pieces of a sequence")
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size or (dist.get_world_size() if dist.is_initialized()
+                           else int(os.environ.get("WORLD_SIZE", "1")))
     if world % (p.tp * p.cp):
         raise UserError(f"parallel.tp x parallel.cp ({p.tp} x {p.cp}) must divide the number of "
                         f"ranks ({world}); change them or torchrun's --nproc-per-node")
