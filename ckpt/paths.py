@@ -21,7 +21,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoints root (its latest complete checkpoint) or one `iter_*` directory."""
     path = Path(path)
     if (path / TRACKER).is_file():
-        step = int((path / TRACKER).read_text().strip())
+        step = _tracked_step(path / TRACKER)
         ckpt = path / checkpoint_name(step)
         if not (ckpt / "metadata.json").is_file():
             raise FileNotFoundError(f"{path / TRACKER} names step {step}, but {ckpt} is missing "
@@ -32,3 +32,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(
         f"{path} is neither a checkpoints root (no {TRACKER}) nor a complete iter_* checkpoint"
     )
+
+
+def _tracked_step(tracker: Path) -> int:
+    """The step a tracker file names; a damaged tracker is named with its content."""
+    from ckpt.reader import CheckpointError  # here: reader imports torch, paths stays light
+
+    text = tracker.read_text(errors="replace").strip()
+    if not re.fullmatch(r"\d+", text):
+        raise CheckpointError(
+            f"{tracker} should hold a step number but holds {text[:40]!r}; load one iter_* "
+            "directory instead, or write the step of the newest complete one into the file")
+    return int(text)

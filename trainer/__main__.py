@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import hydra
@@ -19,16 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from parallel.distributed import init_process_group, resolve_device
-from trainer.config import register_configs
-from trainer.errors import UserError
+from trainer.config import CONF_DIR, register_configs
+from trainer.entry import exits_on_user_error
 
 register_configs()
 # Long-context steps allocate a few huge activation blocks; expandable segments keep the caching
 # allocator from fragmenting them (docs/benchmarks.md, "End-to-end training (issue 8)").
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-# megatron-core announces each missing optional accelerator package (apex, Transformer Engine).
-warnings.filterwarnings("ignore", message=".*(Apex is not installed|Transformer Engine and Apex)")
-warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 
 def _device_override(argv: list[str]) -> str:
@@ -55,18 +51,15 @@ def _agree_on_run_dir() -> None:
                      "hydra.job_logging.root.level=WARNING"]
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@exits_on_user_error
 def run(cfg: DictConfig) -> None:
     from trainer.run_dir import raise_refusal
 
-    try:
-        raise_refusal()
-        from trainer.train import train  # heavy imports once the config and directory are fine
+    raise_refusal()  # the run directory is held by another run or holds checkpoints
+    from trainer.train import train  # heavy imports once the config and directory are fine
 
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 def main() -> None:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.entry import USER_ERRORS, debug_requested, report_user_error
+from trainer.errors import UserError
 from trainer.tokenizer import load_tokenizer
 
 _BATCH_DOCS = 256  # documents per encode_batch call: enough for `tokenizers` to parallelise
@@ -54,7 +56,7 @@ def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
         try:
             yield data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+            raise UserError(f"{path}: not UTF-8 text ({err})") from err
         return
     with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
@@ -64,10 +66,10 @@ def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err})") from err
+                raise UserError(f"{path}:{lineno}: invalid JSON ({err})") from err
             text = record.get(text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: no string field {text_key!r}")
+                raise UserError(f"{path}:{lineno}: no string field {text_key!r}")
             yield text
 
 
@@ -80,7 +82,7 @@ def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
     outputs = {ext: Path(f"{output_prefix}{ext}") for ext in (".bin", ".idx", ".meta.json")}
     existing = [str(p) for p in outputs.values() if p.exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"output exists: {', '.join(existing)} (pass --overwrite)")
+        raise UserError(f"output exists: {', '.join(existing)} (pass --overwrite)")
 
     tok = load_tokenizer(tokenizer)
     with warnings.catch_warnings():  # megatron.core warns about optional GPU kernels on import
@@ -115,6 +117,9 @@ def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
                     if len(batch) >= _BATCH_DOCS:
                         flush(batch)
             flush(batch)
+        if not documents:
+            raise UserError(f"no documents in {', '.join(map(str, inputs))}: every input is "
+                            "empty, so nothing was written; give files that hold text")
         builder.finalize(str(tmp[".idx"]))
         meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eod": tok.eod,
                 "dtype": np.dtype(dtype).name, "documents": documents, "tokens": tokens}
@@ -136,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = build(args.inputs, args.output_prefix, args.tokenizer, args.text_key,
                         args.overwrite)
-    except (FileExistsError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    except USER_ERRORS as err:
+        if debug_requested():
+            raise
+        report_user_error(err)
+        return 2
     print(f"wrote {summary['documents']} documents, {summary['tokens']} tokens "
           f"({summary['dtype']}, tokenizer {summary['tokenizer']}; "
           f"{summary['skipped_empty']} empty documents skipped)")

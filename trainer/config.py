@@ -10,11 +10,19 @@ so a misspelt key or a wrong type fails at composition with Hydra's own message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from trainer.errors import UserError
+
+# The installed `conf/` directory, found beside this package (both are top-level packages of the
+# distribution, in a checkout, an editable or a regular install) rather than imported as the
+# module `conf`: under `python -m` the working directory comes first on sys.path, and a Hydra
+# project's own `conf/` there would shadow it (`pkg://conf` imports whatever `conf` wins).
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @dataclass
@@ -131,7 +139,7 @@ def check_known_keys(cfg: DictConfig) -> None:
     `+trainer.max_stepz=3` appends on purpose; a training run must not ignore it silently."""
     unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
     if unknown:
-        raise ValueError(f"unknown config keys: {', '.join(unknown)}; see `python -m trainer "
+        raise UserError(f"unknown config keys: {', '.join(unknown)}; see `python -m trainer "
                          "--cfg job` for the valid ones")
 
 

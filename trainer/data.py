@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.errors import UserError
 from trainer.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 __all__ = [
@@ -211,8 +212,12 @@ def _indexed_streams(path: str, tokenizer: Tokenizer, valid_fraction: float, see
     if meta_path.is_file():
         built_with = json.loads(meta_path.read_text())["tokenizer"]
         if built_with != tokenizer.name:
-            raise ValueError(f"{path} was built with tokenizer {built_with!r} but "
+            raise UserError(f"{path} was built with tokenizer {built_with!r} but "
                              f"{tokenizer.name!r} was requested")
+    if Path(f"{path}.bin").stat().st_size == 0:  # megatron cannot map it (AttributeError later)
+        raise UserError(f"data.path={path}: the indexed dataset is empty ({path}.bin has no "
+                        "tokens); rebuild it from non-empty inputs with `python -m "
+                        "trainer.build_data`")
     ds = IndexedDataset(path)
     doc_bounds = np.asarray(ds.document_indices, dtype=np.int64)
     n_docs = len(doc_bounds) - 1 if max_documents is None else min(max_documents,
@@ -247,10 +252,10 @@ def build_datasets(name: str, path: str | None, tokenizer: str, seq_length: int,
         streams = corpus.stream(train), corpus.stream(valid)
     elif name == "indexed":
         if not path:
-            raise ValueError("data name 'indexed' needs a path (the .bin/.idx prefix)")
+            raise UserError("data name 'indexed' needs a path (the .bin/.idx prefix)")
         streams = _indexed_streams(path, tok, valid_fraction, seed, max_documents)
     else:
-        raise ValueError(f"unknown dataset {name!r}: expected 'embedded' or 'indexed'")
+        raise UserError(f"unknown dataset {name!r}: expected 'embedded' or 'indexed'")
     train_ds, valid_ds = (TokenStreamDataset(s, seq_length) for s in streams)
     logger.info("data %s: %d train / %d validation samples of %d tokens", name, len(train_ds),
                 len(valid_ds), seq_length)

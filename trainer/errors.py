@@ -1,5 +1,5 @@
-"""The user-error exception: a setting or input the user can fix, reported in one line."""
+"""The one exception type for mistakes a user can fix."""
 
 
 class UserError(ValueError):
-    """A refusal caused by what the user asked for; the message names the setting and the fix."""
+    """A mistake the user can fix (bad setting, missing file); shown as one line."""

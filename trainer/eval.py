@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,10 +25,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config import check_known_keys, register_configs
+from trainer.config import CONF_DIR, check_known_keys, register_configs
+from trainer.entry import exits_on_user_error
+from trainer.validate import check_model, validate_eval
 
 register_configs()
-warnings.filterwarnings("ignore", message=".*(Apex is not installed|Transformer Engine and Apex)")
 log = logging.getLogger(__name__)
 
 
@@ -134,15 +134,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from trainer.retrieval import multikey_accuracy
 
     check_known_keys(cfg)
-    if not cfg.checkpoint.load:
-        raise ValueError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
-    if cfg.parallel.cp != 1:
-        raise ValueError(f"trainer.eval does not split sequences across ranks: parallel.cp="
-                         f"{cfg.parallel.cp}; run it with parallel.cp=1 (a checkpoint trained "
-                         "with CP loads at CP=1; eval needs no activations for backward)")
+    validate_eval(cfg)
     ckpt = resolve_checkpoint(cfg.checkpoint.load)
     extra = saved_extra(ckpt)
     saved = OmegaConf.create(yaml.safe_load(extra["config"]))
+    check_model(saved.model, cfg.attention, cfg.parallel)
     device = resolve_device(cfg.trainer.device)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
     try:
@@ -202,7 +198,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     return results
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@exits_on_user_error
 def main(cfg: DictConfig) -> None:
     evaluate(cfg, Path(HydraConfig.get().runtime.output_dir))
 

@@ -10,6 +10,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from tqdm import tqdm
 
+from trainer.errors import UserError
 from trainer.passkey import passkey_prompt, random_key
 
 
@@ -120,7 +121,7 @@ def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: li
     for length in tqdm(lengths, desc="perplexity", leave=False):
         n = min(windows, (len(stream) - 1) // length)
         if n == 0:
-            raise ValueError(f"validation stream ({len(stream)} tokens) is shorter than eval "
+            raise UserError(f"validation stream ({len(stream)} tokens) is shorter than eval "
                              f"length {length}; lower eval.lengths or use more data")
         per_position = torch.zeros(length, dtype=torch.float64)  # loss summed over windows
         for start in range(0, n, batch_size):

@@ -21,6 +21,7 @@ from ckpt.load import load_model_weights
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from models.schema import ModelConfig
+from trainer.errors import UserError
 
 
 def _default_model() -> DictConfig:
@@ -39,7 +40,7 @@ class FineTuneStart:
     def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
         """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""
         if tokenizer_vocab > self.rows:
-            raise ValueError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens, more "
+            raise UserError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens, more "
                              f"than the checkpoint {self.path} has rows ({self.rows}); use the "
                              "model's own tokenizer (data.tokenizer=HF_DIR)")
         return self.rows
@@ -63,6 +64,6 @@ def adopt_saved_model(cfg: DictConfig) -> FineTuneStart | None:
         differing = [f"model.{k}: run {cfg.model[k]}, checkpoint {saved[k]}"
                      for k in saved if k != "name" and cfg.model.get(k) != saved[k]]
         if differing:
-            raise ValueError(f"checkpoint.load={cfg.checkpoint.load} holds another model; drop "
+            raise UserError(f"checkpoint.load={cfg.checkpoint.load} holds another model; drop "
                              "model= to use the checkpoint's, or fix:\n  " + "\n  ".join(differing))
     return FineTuneStart(path, ckpt) if ckpt.extra.get("model_only") else None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trainer.errors import UserError
+
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is "
@@ -33,12 +35,12 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[list
     Filler tokens are cut to fit, so the needle starts at about `depth` of the filler span.
     """
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
+        raise UserError(f"passkey depth must be in [0, 1], got {depth}")
     needle = tokenizer.encode(_needle(key))
     question = tokenizer.encode(QUESTION)
     budget = length - len(needle) - len(question)
     if budget < 0:
-        raise ValueError(f"passkey length {length} is too short for the needle and question "
+        raise UserError(f"passkey length {length} is too short for the needle and question "
                          f"({len(needle) + len(question)} tokens)")
     unit = tokenizer.encode(FILLER)
     filler = (unit * (budget // len(unit) + 1))[:budget]
@@ -57,7 +59,7 @@ class PasskeyMixDataset(torch.utils.data.Dataset):
     def __init__(self, base: torch.utils.data.Dataset, tokenizer, fraction: float,
                  seq_length: int, seed: int, digits: int = 5) -> None:
         if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"data.passkey_fraction must be in [0, 1], got {fraction}")
+            raise UserError(f"data.passkey_fraction must be in [0, 1], got {fraction}")
         self.base, self.tokenizer, self.fraction = base, tokenizer, fraction
         self.seq_length, self.seed, self.digits = seq_length, seed, digits
 

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from trainer.errors import UserError
+
 
 class Tokenizer(Protocol):
     """What the data pipeline needs from a tokenizer."""
@@ -110,5 +112,5 @@ def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:
         return JsonTokenizer(Path(spec) / "tokenizer.json")
     if spec.endswith(".json"):
         return JsonTokenizer(spec)
-    raise ValueError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "
+    raise UserError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "
                      "`tokenizers` JSON file ending in .json")

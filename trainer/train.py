@@ -36,6 +36,7 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
 from trainer.resume import apply_optimizer_settings, resume_point
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
+from trainer.validate import check_datasets, validate_train
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,9 @@ def _precision_is_bf16(precision: str, device: torch.device) -> bool:
 
 
 def _num_microbatches(cfg: DictConfig, dp: int) -> int:
+    """Micro-batches per step (`validate_train` checked that they divide evenly)."""
     t = cfg.trainer
-    if not 0 <= t.warmup_steps < t.max_steps:
-        raise ValueError(f"trainer.warmup_steps ({t.warmup_steps}) must be in [0, "
-                         f"trainer.max_steps ({t.max_steps}))")
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        raise ValueError(
-            f"trainer.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp})"
-        )
-    return t.global_batch_size // per_step
+    return t.global_batch_size // (t.micro_batch_size * dp)
 
 
 def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
@@ -112,6 +105,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
+        validate_train(cfg)  # every setting checkable without data or model, first
         # A checkpoint brings its model config; a model-only one is a fine-tune start, any
         # other a resume whose settings are checked against the saved ones, up front.
         start = adopt_saved_model(cfg) if cfg.checkpoint.load else None
@@ -148,9 +142,6 @@ class Trainer:
     def _setup_parallel(self) -> None:
         """Process groups and megatron's parallel state; micro-batches per step."""
         t, p = self.cfg.trainer, self.cfg.parallel
-        if t.seq_length % (2 * p.cp):
-            raise ValueError(f"trainer.seq_length ({t.seq_length}) must be divisible by 2 x "
-                             f"parallel.cp ({p.cp}): each CP rank holds two pieces")
         self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp)
         self.micro_batches = _num_microbatches(self.cfg, self.topo.dp)
 
@@ -159,6 +150,7 @@ class Trainer:
         d, t = self.cfg.data, self.cfg.trainer
         self.train_ds, self.valid_ds, tokenizer = build_datasets(
             d.name, d.path, d.tokenizer, t.seq_length, d.valid_fraction, t.seed, d.max_documents)
+        check_datasets(len(self.train_ds), len(self.valid_ds), self.cfg)
         if d.passkey_fraction > 0:
             self.train_ds = PasskeyMixDataset(self.train_ds, tokenizer, d.passkey_fraction,
                                               t.seq_length, t.seed)

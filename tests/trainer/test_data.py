@@ -228,7 +228,7 @@ def test_build_data_refuses_overwrite(tmp_path: Path, capsys: pytest.CaptureFixt
     prefix = str(tmp_path / "ds")
     assert build_main([inputs[1], "--output-prefix", prefix]) == 0
     before = Path(prefix + ".bin").read_bytes()
-    assert build_main([inputs[0], "--output-prefix", prefix]) == 1
+    assert build_main([inputs[0], "--output-prefix", prefix]) == 2  # user error: exit 2
     assert "--overwrite" in capsys.readouterr().err
     assert Path(prefix + ".bin").read_bytes() == before
     assert build_main([inputs[0], "--output-prefix", prefix, "--overwrite"]) == 0
@@ -239,7 +239,7 @@ def test_build_data_refuses_overwrite(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_build_data_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"other": 1}\n')
-    assert build_main([str(bad), "--output-prefix", str(tmp_path / "ds")]) == 1
+    assert build_main([str(bad), "--output-prefix", str(tmp_path / "ds")]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert not list(tmp_path.glob("ds*"))  # no partial output left behind
     with pytest.raises(SystemExit) as exc:

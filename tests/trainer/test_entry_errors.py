@@ -1,0 +1,81 @@
+"""Issue 14 item 6: the entry points print a user error as one `error:` line and exit 2 (every
+rank under torchrun, rank 0 printing), the traceback only on request; bugs keep theirs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST
+from trainer.entry import exits_on_user_error
+from trainer.errors import UserError
+
+pytestmark = pytest.mark.slow
+
+
+def _run(module: str, args: list[str], cwd: Path, nproc: int = 1,
+         **env: str) -> subprocess.CompletedProcess:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("HYDRA_FULL_ERROR", "LONGCTX_DEBUG")} | env
+    return subprocess.run(launcher + ["-m", module, *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _assert_one_error_line(proc: subprocess.CompletedProcess, words: str) -> None:
+    output = proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2, output[-3000:]
+    assert len(lines) == 1 and words in lines[0], output[-3000:]
+    assert "Traceback" not in output and "HYDRA_FULL_ERROR" not in output, output[-3000:]
+
+
+def test_train_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    proc = _run("trainer", FAST + ["hydra.run.dir=run", "trainer.global_batch_size=0"], tmp_path)
+    _assert_one_error_line(proc, "trainer.global_batch_size=0")
+    full = _run("trainer", FAST + ["hydra.run.dir=run2", "trainer.global_batch_size=0"],
+                tmp_path, HYDRA_FULL_ERROR="1")
+    assert full.returncode != 0 and "Traceback" in full.stderr and "UserError" in full.stderr
+
+
+def test_eval_and_build_data_user_errors(tmp_path: Path) -> None:
+    proc = _run("trainer.eval", ["hydra.run.dir=eval", "logger=none",
+                                 f"checkpoint.load={tmp_path / 'nope'}"], tmp_path)
+    _assert_one_error_line(proc, "checkpoint.load=")
+    (tmp_path / "empty.txt").write_text("")
+    proc = _run("trainer.build_data", ["empty.txt", "--output-prefix", "ds"], tmp_path)
+    _assert_one_error_line(proc, "no documents")
+
+
+def test_under_torchrun_every_rank_exits_2_and_rank_0_prints_once(tmp_path: Path) -> None:
+    proc = _run("trainer", FAST + ["hydra.run.dir=run", "+attention=[dca,chunked]"],
+                tmp_path, nproc=2)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert [line for line in output.splitlines() if line.startswith("error: ")] == [
+        "error: attention: dca and chunked are two core-attention kinds; select one "
+        "(+attention=<kind>), optionally with head_gate, e.g. '+attention=[dca,head_gate]'"]
+    # The ranks print no traceback; torchrun's own report names the first rank's exit code.
+    assert "UserError" not in output and "exitcode  : 2" in output, output[-3000:]
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    @exits_on_user_error
+    def buggy() -> None:
+        raise KeyError("not the user's fault")
+
+    @exits_on_user_error
+    def mistaken() -> None:
+        raise UserError("bad setting")
+
+    with pytest.raises(KeyError):
+        buggy()
+    with pytest.raises(SystemExit) as info:
+        mistaken()
+    assert info.value.code == 2

@@ -1,0 +1,108 @@
+"""Issue 14 item 5: every setting that can be checked before the model is built is refused up
+front, with one line naming the key (trainer/validate.py), and the data checks that need the
+corpus run before the model exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpt.paths import TRACKER, resolve_checkpoint
+from ckpt.reader import CheckpointError
+from parallel.distributed import shutdown
+from tests.conftest import FAST, compose_config
+from trainer.build_data import main as build_main
+from trainer.data import build_datasets
+from trainer.errors import UserError
+from trainer.train import Trainer
+from trainer.validate import check_attention_selection, validate_train
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
+    ("trainer.global_batch_size=0", "trainer.global_batch_size"),
+    ("trainer.global_batch_size=-8", "trainer.global_batch_size"),
+    ("trainer.log_interval=0", "trainer.log_interval"),
+    ("trainer.save_interval=-1", "trainer.save_interval"),
+    ("trainer.eval_interval=-5", "trainer.eval_interval"),
+    ("trainer.max_steps=0", "trainer.max_steps"),
+    ("model.num_layers=0", "model.num_layers"),
+    ("model.num_query_groups=3", "model.num_query_groups"),  # 4 heads
+    ("parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
+    ("trainer.seq_length=63", "trainer.seq_length"),  # with parallel.cp=2 below
+    ("checkpoint.load=/no/such/checkpoints", "checkpoint.load"),
+    ("data.valid_fraction=1.5", "data.valid_fraction"),
+    ("+attention=dca", "dca_chunk_size"),  # 8192 > 1024 local by default; set local too big
+])
+def test_bad_setting_is_refused_before_the_model_is_built(
+        override: str, key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = {"trainer.seq_length=63": ["parallel.cp=2"],
+             "+attention=dca": ["attention.dca_local_size=9000"]}.get(override, [])
+    cfg = compose_config(FAST + [override] + extra)
+    # Nothing past the checks may run: building data or the model would be the late failure.
+    monkeypatch.setattr(Trainer, "_setup_parallel", _must_not_run)
+    monkeypatch.setattr(Trainer, "_setup_model", _must_not_run)
+    with pytest.raises(UserError) as info:
+        Trainer(cfg, tmp_path)
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def _must_not_run(*args: object) -> None:
+    raise AssertionError("reached past the up-front checks")
+
+
+def test_good_settings_pass_including_odd_seq_length_without_cp() -> None:
+    validate_train(compose_config(FAST))
+    # Parity matters only to context parallelism's 2 x cp pieces; without CP any length trains.
+    validate_train(compose_config(FAST + ["trainer.seq_length=63"]))
+    validate_train(compose_config(FAST + ["trainer.seq_length=64", "parallel.cp=2"]), 2)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+attention=[dca,chunked]"], ["+attention=[standard,dca]"], ["++attention=[chunked,dca]"],
+])
+def test_two_core_attention_kinds_are_refused(overrides: list[str]) -> None:
+    with pytest.raises(UserError, match="two core-attention kinds"):
+        check_attention_selection(overrides)
+
+
+def test_one_attention_kind_with_the_gate_is_fine() -> None:
+    check_attention_selection(["+attention=[dca,head_gate]", "attention.chunk_size=64"])
+    check_attention_selection(["+attention=chunked", "trainer.max_steps=3"])
+
+
+def test_empty_validation_set_is_refused_when_the_run_evaluates(tmp_path: Path) -> None:
+    cfg = compose_config(FAST + ["data.valid_fraction=0", "trainer.eval_interval=2",
+                                 "data.max_documents=30"])
+    try:
+        with pytest.raises(UserError, match="trainer.eval_interval=0"):
+            Trainer(cfg, tmp_path)
+    finally:
+        shutdown()  # the process group was up: the data is read after it
+
+
+def test_garbage_tracker_is_named(tmp_path: Path) -> None:
+    (tmp_path / TRACKER).write_text("garbage\n")
+    with pytest.raises(CheckpointError, match=f"{TRACKER}.*'garbage'"):
+        resolve_checkpoint(tmp_path)
+    cfg = compose_config(FAST + [f"checkpoint.load={tmp_path}"])
+    with pytest.raises(UserError, match=f"checkpoint.load=.*{TRACKER}"):
+        validate_train(cfg)
+
+
+def test_empty_inputs_build_no_dataset(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    assert build_main([str(tmp_path / "empty.txt"), "--output-prefix", str(tmp_path / "ds")]) == 2
+    assert "no documents" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_empty_indexed_dataset_is_refused_on_load(tmp_path: Path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "empty")  # as megatron's own tools would write one
+    IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16).finalize(prefix + ".idx")
+    with pytest.raises(UserError, match="empty"):
+        build_datasets("indexed", prefix, "byte", 8, 0.05, seed=0)

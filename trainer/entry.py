@@ -1,0 +1,80 @@
+"""How the entry points (`python -m trainer`, `trainer.eval`, `trainer.build_data`) end on a
+user error: `error: <message>` on stderr (rank 0 only under torchrun) and exit status 2 on every
+rank, like `python -m ckpt`; anything else is a bug and keeps its traceback.
+
+`HYDRA_FULL_ERROR=1` or `LONGCTX_DEBUG=1` shows the user error's traceback too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from ckpt.reader import CheckpointError
+from trainer.errors import UserError
+
+# What counts as the user's mistake. Plain ValueError does not: library code raises it for bugs
+# too, so the trainer's own checks (trainer/validate.py) raise UserError, and the model config's
+# ValueErrors are turned into UserError there, before the model is built. FileNotFoundError is
+# a path the user named (checkpoint.load, data.path, build_data's inputs); CheckpointError a
+# damaged or incompatible checkpoint (the same classification as `python -m ckpt`).
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, CheckpointError, FileNotFoundError)
+
+T = TypeVar("T")
+
+
+def debug_requested() -> bool:
+    """True when the user asked for tracebacks of user errors as well."""
+    return any(os.environ.get(name, "") not in ("", "0")
+               for name in ("HYDRA_FULL_ERROR", "LONGCTX_DEBUG"))
+
+
+def report_user_error(err: BaseException) -> None:
+    """Print `error: <message>` once (rank 0 of a torchrun job, or the single process)."""
+    if os.environ.get("RANK", "0") == "0":
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def exits_on_user_error(func: Callable[..., T]) -> Callable[..., T]:
+    """Wrap an entry point (inside `@hydra.main`, so Hydra never sees the error): a user error
+    prints one line and exits with status 2; SystemExit passes through Hydra's error reporting."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs) -> T:
+        try:
+            return func(*args, **kwargs)
+        except USER_ERRORS as err:
+            if debug_requested():
+                raise
+            report_user_error(err)
+            _leave_process_group()
+            sys.exit(2)
+
+    return wrapper
+
+
+def _leave_process_group(wait_s: float = 10.0) -> None:
+    """Meet the other ranks (rank 0 has printed by then) and destroy the process group, so that
+    torchrun, which stops the job at the first rank to exit, does not cut rank 0 short. A rank
+    that raised alone does not wait for ever: the barrier runs in a daemon thread."""
+    import threading
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1:
+        met = threading.Event()
+
+        def barrier() -> None:
+            dist.barrier()
+            met.set()
+
+        threading.Thread(target=barrier, daemon=True).start()
+        if not met.wait(wait_s):
+            return
+    dist.destroy_process_group()

@@ -1,0 +1,216 @@
+"""Checks of a run's settings that need no model: each refuses with one line naming the key and
+the fix (a `UserError`), before anything expensive happens.
+
+`validate_train` runs first in `Trainer.__init__`, `validate_eval` first in `trainer.eval`;
+`check_datasets` runs once the data is read, before the model is built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from omegaconf import DictConfig
+
+from trainer.config import CONF_DIR
+from trainer.errors import UserError
+
+_KINDS = ("auto", "cpu", "cuda")
+
+
+def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Everything about a training run that can be checked before the data and model exist."""
+    check_attention_selection(_hydra_overrides())
+    t = cfg.trainer
+    _at_least(t, "max_steps", 1)
+    _at_least(t, "micro_batch_size", 1)
+    _at_least(t, "global_batch_size", 1)
+    _at_least(t, "seq_length", 1)
+    _at_least(t, "log_interval", 1, "(log every N steps)")
+    _at_least(t, "save_interval", 0, "(0: no periodic saves)")
+    _at_least(t, "eval_interval", 0, "(0: no evaluation)")
+    _at_least(t, "eval_batches", 1)
+    if not 0 <= t.warmup_steps < t.max_steps:
+        raise UserError(f"trainer.warmup_steps ({t.warmup_steps}) must be in [0, "
+                        f"trainer.max_steps ({t.max_steps})); lower it or raise max_steps")
+    if t.precision not in ("auto", "bf16", "fp32"):
+        raise UserError(f"trainer.precision={t.precision!r}: choose auto, bf16 or fp32")
+    device = _device_type(t.device)
+    dp = _check_parallel(cfg.parallel, t.seq_length, device, world_size)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise UserError(
+            f"trainer.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"trainer.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp}); "
+            "change one of them")
+    _check_data(cfg.data)
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and device == "cuda")
+    check_model(cfg.model, cfg.attention, cfg.parallel, bf16=bf16, on_gpu=device == "cuda",
+                recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
+                recompute_num_layers=t.recompute_num_layers,
+                recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm)
+    if cfg.checkpoint.load:
+        check_checkpoint_load(cfg.checkpoint.load)
+
+
+def validate_eval(cfg: DictConfig) -> None:
+    """What `trainer.eval` can check before it reads the checkpoint's model."""
+    check_attention_selection(_hydra_overrides())
+    if not cfg.checkpoint.load:
+        raise UserError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
+    if cfg.parallel.cp != 1:
+        raise UserError(f"trainer.eval does not split sequences across ranks: parallel.cp="
+                        f"{cfg.parallel.cp}; run it with parallel.cp=1 (a checkpoint trained "
+                        "with CP loads at CP=1; eval needs no activations for backward)")
+    _check_parallel(cfg.parallel, 2, _device_type(cfg.trainer.device), None)
+    if not cfg.eval.lengths or min(cfg.eval.lengths) < 1:
+        raise UserError(f"eval.lengths={list(cfg.eval.lengths)}: give positive context lengths")
+    check_checkpoint_load(cfg.checkpoint.load)
+
+
+def check_datasets(train_len: int, valid_len: int, cfg: DictConfig) -> None:
+    """The training set must hold a sample; so must the validation set when the run evaluates."""
+    seq = cfg.trainer.seq_length
+    if train_len == 0:
+        raise UserError(f"data: no training sample of trainer.seq_length + 1 = {seq + 1} tokens "
+                        "(the corpus is too small); lower trainer.seq_length or add data")
+    if cfg.trainer.eval_interval > 0 and valid_len == 0:
+        raise UserError(
+            f"data: the validation set holds no sample of {seq + 1} tokens (data.valid_fraction="
+            f"{cfg.data.valid_fraction}); raise data.valid_fraction, add documents, lower "
+            "trainer.seq_length, or set trainer.eval_interval=0 to train without evaluation")
+
+
+def check_distributed_optimizer(distributed_optimizer: bool, device: str) -> None:
+    """megatron's distributed optimizer allocates its buffers on the GPU (the one place that
+    refuses it on CPU: lift it here when CPU mode supports it)."""
+    if distributed_optimizer and device == "cpu":
+        raise UserError("parallel.distributed_optimizer=true needs CUDA (megatron shards the "
+                        "optimizer state in GPU buffers); set parallel.distributed_optimizer="
+                        "false on CPU")
+
+
+def check_attention_selection(overrides: list[str]) -> None:
+    """At most one core-attention kind among the `attention` group options on the command line
+    (`'+attention=[dca,chunked]'` would otherwise merge both and let the last kind win)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    chosen: list[str] = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.key_or_group != "attention" or override.package or override.is_delete():
+            continue
+        value = override.value()
+        names = value if isinstance(value, list) else [value]
+        chosen += [str(n) for n in names if "kind" in _attention_option(str(n))]
+    if len(chosen) > 1:
+        raise UserError(f"attention: {' and '.join(chosen)} are two core-attention kinds; "
+                        "select one (+attention=<kind>), optionally with head_gate, e.g. "
+                        f"'+attention=[{chosen[0]},head_gate]'")
+
+
+def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
+                **options: object) -> None:
+    """The model's shape and attention settings, through the same megatron config the model
+    factory builds (its ValueErrors become one-line user errors, before any tensor exists)."""
+    from models.gpt import transformer_config
+
+    _at_least(model, "num_layers", 1, prefix="model")
+    _at_least(model, "hidden_size", 1, prefix="model")
+    _at_least(model, "num_attention_heads", 1, prefix="model")
+    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+    if groups < 1 or heads % groups:
+        raise UserError(f"model.num_attention_heads ({heads}) must be divisible by "
+                        f"model.num_query_groups ({groups}): every query group serves the same "
+                        "number of heads; choose a num_query_groups that divides the head count")
+    if model.kv_channels is None and model.hidden_size % heads:
+        raise UserError(f"model.hidden_size ({model.hidden_size}) must be divisible by "
+                        f"model.num_attention_heads ({heads}), or set model.kv_channels")
+    head_dim = model.kv_channels or model.hidden_size // heads
+    if head_dim % 2:
+        raise UserError(f"the head dimension ({head_dim}) must be even: RoPE rotates pairs of "
+                        "channels; change model.hidden_size, num_attention_heads or kv_channels")
+    try:
+        transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp,
+                           sequence_parallel=parallel.sequence_parallel, **options)
+    except ValueError as err:
+        raise UserError(f"model/attention settings: {err}") from err
+
+
+def check_checkpoint_load(path: str) -> None:
+    """`checkpoint.load` names an existing checkpoints root or a complete iter_* directory."""
+    from ckpt.paths import resolve_checkpoint
+    from ckpt.reader import CheckpointError
+
+    if not Path(path).exists():
+        raise UserError(f"checkpoint.load={path}: no such file or directory; give a checkpoints "
+                        "root (e.g. outputs/<date>/<time>/checkpoints) or one iter_* directory")
+    try:
+        resolve_checkpoint(path)
+    except (FileNotFoundError, CheckpointError) as err:
+        raise UserError(f"checkpoint.load={path}: {err}") from err
+
+
+def _check_parallel(p: DictConfig, seq_length: int, device: str,
+                    world_size: int | None) -> int:
+    """TP/CP sizes against the world size and sequence length; returns the data-parallel size."""
+    _at_least(p, "tp", 1, prefix="parallel")
+    _at_least(p, "cp", 1, prefix="parallel")
+    # Only context parallelism cares about parity: each CP rank holds pieces r and 2N-1-r of
+    # every sequence (load balance for causal attention). Without CP any length works.
+    if p.cp > 1 and seq_length % (2 * p.cp):
+        raise UserError(f"trainer.seq_length ({seq_length}) must be divisible by 2 x parallel.cp "
+                        f"({p.cp}): each CP rank holds two of the 2 x cp pieces of a sequence")
+    world = world_size or (dist.get_world_size() if dist.is_initialized()
+                           else int(os.environ.get("WORLD_SIZE", "1")))
+    if world % (p.tp * p.cp):
+        raise UserError(f"parallel.tp x parallel.cp ({p.tp} x {p.cp}) must divide the number of "
+                        f"ranks ({world}); change them or torchrun's --nproc-per-node")
+    check_distributed_optimizer(p.distributed_optimizer, device)
+    return world // (p.tp * p.cp)
+
+
+def _check_data(d: DictConfig) -> None:
+    if d.name not in ("embedded", "indexed"):
+        raise UserError(f"data.name={d.name!r}: choose embedded or indexed (data=indexed)")
+    if not 0.0 <= d.valid_fraction < 1.0:
+        raise UserError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    if d.name == "indexed":
+        if not d.path:
+            raise UserError("data=indexed needs data.path=<prefix of the .bin/.idx files>")
+        missing = [f"{d.path}{ext}" for ext in (".bin", ".idx") if not Path(f"{d.path}{ext}")
+                   .is_file()]
+        if missing:
+            raise UserError(f"data.path={d.path}: {', '.join(missing)} not found; build it with "
+                            "`python -m trainer.build_data`")
+    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
+        raise UserError(f"data.tokenizer={d.tokenizer}: no such file; give 'byte' or a "
+                        "`tokenizers` JSON file")
+
+
+def _at_least(node: DictConfig, key: str, low: int, why: str = "", prefix: str = "trainer"
+              ) -> None:
+    value = node[key]
+    if value is None or value < low:
+        raise UserError(f"{prefix}.{key}={value} must be >= {low}{' ' + why if why else ''}")
+
+
+def _device_type(choice: str) -> str:
+    if choice not in _KINDS:
+        raise UserError(f"trainer.device={choice!r}: choose auto, cpu or cuda")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+    return "cuda" if choice == "cuda" or torch.cuda.is_available() and choice == "auto" else "cpu"
+
+
+def _attention_option(name: str) -> dict:
+    path = Path(CONF_DIR) / "attention" / f"{name}.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def _hydra_overrides() -> list[str]:
+    """The command line's overrides when running under Hydra (none when called directly)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
