@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.errors import UserError
 from trainer.evaluate import greedy_continue
 from trainer.passkey import random_key
 
@@ -83,7 +84,7 @@ def multikey_prompt(tokenizer, stream, length: int, depth: float, keys: int, dig
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     if not 1 <= keys <= len(NAMES):
-        raise ValueError(f"eval.multikey_keys must be in [1, {len(NAMES)}], got {keys}")
+        raise UserError(f"eval.multikey_keys must be in [1, {len(NAMES)}], got {keys}")
     names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
     values: list[str] = []
     while len(values) < keys:
@@ -94,7 +95,8 @@ def multikey_prompt(tokenizer, stream, length: int, depth: float, keys: int, dig
     question = tokenizer.encode(question_text(names[0]))
     budget = length - sum(map(len, needles)) - len(question)
     if budget < 0:
-        raise ValueError(f"length {length} is too short for {keys} needles and the question")
+        raise UserError(f"eval.lengths: {length} tokens are too short for {keys} needles and the "
+                        "question; raise the length or lower eval.multikey_keys")
     filler = corpus_filler(stream, budget, tokenizer.eod, rng)
     cuts = [int(round(depth * budget))] + [int(c) for c in rng.integers(0, budget + 1, keys - 1)]
     prompt: list[int] = []

@@ -63,7 +63,8 @@ def test_a_signal_to_the_reshape_parent_stops_everything_and_keeps_nothing(
         took = time.monotonic() - start
         assert proc.returncode == 128 + sig, output[-2000:]
         assert f"interrupted by {sig.name}" in output
-        assert took < 10, f"took {took:.1f} s to exit"
+        # workers get SIGTERM, then SIGKILL after 5 s; a loaded machine adds a few seconds
+        assert took < 20, f"took {took:.1f} s to exit"
         assert sorted(p.name for p in out.iterdir()) == []  # no DST, no hidden .dst.tmp-*
         deadline = time.monotonic() + 3
         while alive(tree) and time.monotonic() < deadline:

@@ -302,5 +302,6 @@ def test_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1_and_evaluates(tmp_path
     (tmp_path / "eval").mkdir()
     results = eval_entry.evaluate(compose_config([
         f"checkpoint.load={ckpt}", "eval.lengths=[128]", "eval.depths=[0.5]",
-        "eval.passkey_trials=1", "eval.perplexity_windows=1", "logger=none"]), tmp_path / "eval")
+        "eval.multikey_trials=0", "eval.passkey_trials=1", "eval.perplexity_windows=1",
+        "logger=none"]), tmp_path / "eval")
     assert results["step"] == 2 and 1 < results["perplexity"][0]["perplexity"] < 384
