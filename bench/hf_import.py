@@ -2,8 +2,12 @@
 
 Builds a random-init `LlamaForCausalLM` with `transformers` (no download; ~1B parameters by
 default, Llama-3.2-1B's shape), saves it as sharded safetensors, then runs the import as a
-subprocess and samples the resident memory of its whole process tree (the TP ranks included)
-every 50 ms. Prints one JSON line: parameters, source size on disk, seconds, peak RSS.
+subprocess and samples the memory of its whole process tree (the TP ranks and megatron's
+forked writers included) every 50 ms: RSS, which counts pages shared between processes (forked
+writers, mapped files) once per process, and PSS, which shares them out (the memory the import
+really occupies). The same import of a 2-layer toy model gives the fixed cost of the processes
+(torch and megatron-core loaded in the parent and in each rank); what is left of the peak PSS is
+what the model's size costs. Prints one JSON line.
 
     python bench/hf_import.py --tp 1 --dtype bf16 --out hf_import.json          # ~1B
     python bench/hf_import.py --layers 2 --hidden 256 --ffn 512 --vocab 4096   # CPU smoke run
@@ -41,14 +45,31 @@ def build(directory: Path, a: argparse.Namespace) -> int:
     return params
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) summed over a process and its descendants."""
+    rss = pss = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+            info = p.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss, pss = rss + info.rss, pss + info.pss
+    return rss, pss
+
+
+def timed_import(hf: Path, dst: Path, a: argparse.Namespace) -> tuple[float, int, int]:
+    """Seconds, peak RSS and peak PSS of `python -m ckpt import-hf hf dst`."""
+    start = time.perf_counter()
+    proc = psutil.Popen([sys.executable, "-m", "ckpt", "import-hf", str(hf), str(dst),
+                         "--target-tp", str(a.tp), "--dtype", a.dtype])
+    peak_rss = peak_pss = 0
+    while proc.poll() is None:
+        rss, pss = tree_memory(proc)
+        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+        time.sleep(0.05)
+    if proc.returncode:
+        sys.exit(f"import-hf failed (exit {proc.returncode})")
+    return time.perf_counter() - start, peak_rss, peak_pss
 
 
 def main() -> None:
@@ -66,22 +87,18 @@ def main() -> None:
     p.add_argument("--out", help="also write the JSON result here")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
-        hf, dst = Path(d) / "hf", Path(d) / "ckpt"
+        toy = argparse.Namespace(**{**vars(a), "layers": 2, "hidden": 64, "ffn": 128,
+                                    "heads": 4, "kv_heads": 2, "vocab": 256})
+        build(Path(d) / "toy", toy)
+        _, _, fixed_pss = timed_import(Path(d) / "toy", Path(d) / "toy_ckpt", toy)
+        hf = Path(d) / "hf"
         params = build(hf, a)
         size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
-        start = time.perf_counter()
-        proc = psutil.Popen([sys.executable, "-m", "ckpt", "import-hf", str(hf), str(dst),
-                             "--target-tp", str(a.tp), "--dtype", a.dtype])
-        peak = 0
-        while proc.poll() is None:
-            peak = max(peak, tree_rss(proc))
-            time.sleep(0.05)
-        seconds = time.perf_counter() - start
-        if proc.returncode:
-            sys.exit(f"import-hf failed (exit {proc.returncode})")
+        seconds, peak_rss, peak_pss = timed_import(hf, Path(d) / "ckpt", a)
         result = {"params": params, "dtype": a.dtype, "tp": a.tp, "source_bytes": size,
-                  "import_s": round(seconds, 2), "peak_rss_bytes": peak,
-                  "peak_rss_over_source": round(peak / size, 2)}
+                  "import_s": round(seconds, 2), "peak_rss_bytes": peak_rss,
+                  "peak_pss_bytes": peak_pss, "fixed_pss_bytes": fixed_pss,
+                  "model_pss_over_source": round((peak_pss - fixed_pss) / size, 2)}
     print(json.dumps(result))
     if a.out:
         Path(a.out).write_text(json.dumps(result) + "\n")

@@ -99,24 +99,24 @@ def check_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]],
 
 
 class SafetensorsSource:
-    """`hf_weights.Source` over safetensors files: reads only the asked slice."""
+    """`hf_weights.Source` over safetensors files: reads only the asked slice.
+
+    Each read opens and closes its file: safetensors maps the file into memory, and a mapping
+    kept open holds every page read so far in the process's resident memory, which would make
+    an import hold the whole source beside the model it builds.
+    """
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
-        self._open: dict[Path, Any] = {}
-
-    def _slice(self, name: str) -> Any:
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = safe_open(path, "pt")
-        return self._open[path].get_slice(name)
 
     def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        sl = self._slice(name)
-        return sl[:] if start is None else sl[start:stop]
+        with safe_open(self.files[name], "pt") as f:
+            sl = f.get_slice(name)
+            return sl[:] if start is None else sl[start:stop]
 
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._slice(name)[:, start:stop]
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_slice(name)[:, start:stop]
 
 
 def run_config(model: ModelConfig, tp: int, seq_length: int, tokenizer: str) -> str:
@@ -142,7 +142,7 @@ def _worker(rank: int, tp: int, store: str, out_root: str, job: dict[str, Any]) 
         bf16 = job["dtype"] == "bf16"
         built = build_model(model, AttentionConfig(), ParallelConfig(tp=tp),
                             vocab_size=job["vocab"], max_sequence_length=job["seq_length"],
-                            options=BuildOptions(bf16=bf16))
+                            options=BuildOptions(bf16=bf16, initialize=False))
         gpt = built.gpt.bfloat16() if bf16 else built.gpt
         src = SafetensorsSource({k: Path(v) for k, v in job["files"].items()})
         shape = Shape.of(model)

@@ -35,6 +35,9 @@ class BuildOptions:
     recompute_num_layers: int = 0
     recompute_keep_attention: bool = False
     fused_norm: bool = False
+    # False: parameters are allocated but not randomly initialised (every one is about to be
+    # overwritten, e.g. by an import): no fp32 master copies, no init time.
+    initialize: bool = True
 
 
 @dataclass
@@ -123,7 +126,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
                        on_gpu: bool = False, recompute: str = "none",
                        recompute_modules: Sequence[str] = (), recompute_num_layers: int = 0,
                        recompute_keep_attention: bool = False,
-                       fused_norm: bool = False) -> LongContextConfig:
+                       fused_norm: bool = False, initialize: bool = True) -> LongContextConfig:
     """The megatron config for a model shape, attention variant and parallel layout."""
     no_rope = no_rope_pattern(attention.kind, model.num_layers, attention.global_layer_interval)
     recompute_kwargs = recompute_options(recompute, list(recompute_modules), recompute_num_layers,
@@ -150,6 +153,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not on_gpu,
+        perform_initialization=initialize,
         # Fusions that need CUDA (jit/Triton) are on only on the GPU; apex/TE ones stay off.
         bias_activation_fusion=on_gpu and model.swiglu,
         bias_dropout_fusion=on_gpu,
