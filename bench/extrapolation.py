@@ -57,10 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wandb group")
     p.add_argument("--no-wandb", action="store_true")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU toy: tiny model, T=64, lengths x1 x2, 2 trials, every stage")
+                   help="CPU toy: tiny model, T=128 (multi-key needs it), lengths x1 x2, 2 trials")
     args = p.parse_args(argv)
     if args.smoke:
-        args.model, args.seq, args.batch, args.micro_batch = "tiny", 64, 4, 4
+        args.model, args.seq, args.batch, args.micro_batch = "tiny", 128, 4, 4
         args.minutes, args.probe_steps, args.vocab, args.max_documents = 0.05, 3, 512, 40
         args.lengths, args.trials, args.eval_batch, args.no_wandb = "1,2", 1, 2, True
         args.irope, args.dca_finetune_steps = True, max(args.dca_finetune_steps, 3)
@@ -167,7 +167,7 @@ def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
                         f"eval.passkey_trials={args.trials}", f"eval.multikey_trials={args.trials}",
                         f"eval.batch_size={args.eval_batch}", f"eval.trained_length={args.seq}",
                         f"eval.perplexity_windows={2 if args.smoke else 8}",
-                        f"eval.multikey_keys={2 if args.smoke else 4}", *extra]
+                        f"eval.multikey_keys={1 if args.smoke else 4}", *extra]
     if any(o.startswith("+extrapolation=") for o in extra):
         sweep = ",".join(f"[{n}]" for n in lengths if n > args.seq)
         if not sweep:

@@ -68,5 +68,5 @@ def test_table_reads_eval_json(tmp_path: Path) -> None:
 
 def test_smoke_arguments_stay_small() -> None:
     args = extrapolation.parse_args(["--smoke", "--out", "/tmp/x/out"])
-    assert (args.model, args.seq, args.lengths) == ("tiny", 64, "1,2")
+    assert (args.model, args.seq, args.lengths) == ("tiny", 128, "1,2")
     assert args.work == Path("/tmp/x/out-work")
