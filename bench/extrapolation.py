@@ -13,8 +13,9 @@ length: `+extrapolation=...`), DCA (chunk T, local T/8) plain and with `attentio
 log / yarn at the sources' defaults; with --irope a second model trained with chunked attention
 (chunk T/4) and global no-RoPE layers, evaluated as trained; with --dca-finetune-steps N the
 first model fine-tuned N steps with DCA (chunk T/2 < T, so it sees chunk structure) and
-evaluated with DCA again. Training length: a short probe measures the step time, and max_steps
-is set so that training takes --minutes (the schedule then decays over the whole run).
+evaluated with DCA again (a resume at a constant lr/3 with the scheduler overridden).
+Training length: a short probe measures the step time, and max_steps is set so that training
+takes --minutes (the schedule then decays over the whole run).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         irope = train(base + train_overrides(args, steps) + chunked, args.work / "train_irope")
         runs["irope"] = evaluate(args, "irope", irope, chunked, base, lengths)
     if args.dca_finetune_steps:
-        runs.update(dca_finetune(args, base, ckpt, lengths))
+        runs.update(dca_finetune(args, base, ckpt, steps, lengths))
     rows = collect({k: v for k, v in runs.items() if v})
     meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
             "lr": args.lr, "vocab": args.vocab, "lengths": lengths, "trials": args.trials,
@@ -212,21 +213,19 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", path)
 
 
-def dca_finetune(args: argparse.Namespace, base: list[str], ckpt: Path,
+def dca_finetune(args: argparse.Namespace, base: list[str], ckpt: Path, steps: int,
                  lengths: list[int]) -> dict[str, list[Path]]:
-    """Fine-tune the model with DCA at T (chunk T/2, a fresh schedule at lr/3 from a model-only
-    copy), then evaluate it with DCA (same chunking) plain and with yarn scaling."""
-    start = args.work / "ft_start"
-    if not start.is_dir():
-        run("ckpt", ["reshape", str(ckpt), str(start), "--target-tp", "1", "--model-only"],
-            args.work / "ft_start.log")
+    """Continue training the model with DCA at T (chunk T/2 < T) for --dca-finetune-steps at a
+    constant lr/3 (its optimizer state kept, the scheduler overridden), then evaluate it with
+    the same DCA, plain and with yarn scaling."""
     c = args.seq // 2
     dca = ["+attention=dca", f"attention.dca_chunk_size={c}", f"attention.dca_local_size={c // 8}"]
-    schedule = [o for o in train_overrides(args, args.dca_finetune_steps)
-                if not o.startswith(("model=", "trainer.lr=", "trainer.min_lr="))]
+    schedule = [o for o in train_overrides(args, steps + args.dca_finetune_steps)
+                if not o.startswith(("trainer.lr=", "trainer.min_lr=", "trainer.warmup_steps="))]
     tuned = train(base + schedule + dca + [
-        f"checkpoint.load={start}", f"trainer.lr={args.lr / 3:g}",
-        f"trainer.min_lr={args.lr / 30:g}"], args.work / "train_dca_ft")
+        f"checkpoint.load={ckpt}", "checkpoint.override_scheduler=true",
+        "trainer.lr_decay_style=constant", f"trainer.lr={args.lr / 3:g}",
+        f"trainer.min_lr={args.lr / 3:g}", "trainer.warmup_steps=0"], args.work / "train_dca_ft")
     return {"dca-ft": evaluate(args, "dca-ft", tuned, dca, base, lengths),
             "dca-ft+yarn": evaluate(args, "dca-ft+yarn", tuned,
                                     dca + ["attention.dca_scaling=yarn"], base, lengths)}
