@@ -8,8 +8,8 @@ model's rotary embedding (installed by `models.gpt.build_model`) and DCA's own r
 
 - none:    theta ** (-2i / d)
 - linear:  position interpolation, inv_freq / factor
-- dynamic: NTK-aware, theta * factor ** (d / (d - 2)) (the dynamic scheme at its original length
-           times factor, i.e. a static NTK base)
+- ntk:     NTK-aware (bloc97), a static base theta * factor ** (d / (d - 2)); `dynamic` is the
+           same function (transformers' dynamic scheme at its original length times factor)
 - yarn:    per-frequency blend of interpolation and extrapolation between the beta_fast and
            beta_slow rotation counts, attention factor 0.1 ln(factor) + 1 unless given
 - llama3:  Llama 3.1's wavelength bands (low_freq_factor, high_freq_factor)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
+SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
         raise ValueError(f"rope_theta must be positive, got {theta}")
     scaling = scaling or NO_SCALING
     kind, s = scaling.type, scaling.factor
-    if kind == "dynamic":
+    if kind in ("ntk", "dynamic"):
         theta = theta * s ** (head_dim / (head_dim - 2))
     exponent = torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim
     inv_freq = 1.0 / theta ** exponent

@@ -26,7 +26,8 @@ class ModelConfig:
     swiglu: bool = True
     qkv_bias: bool = False
     rope_theta: float = 10000.0
-    # RoPE context scaling (models/rope_scaling.py): none | linear | dynamic | yarn | llama3.
+    # RoPE context scaling (models/rope_scaling.py): none | linear (PI) | ntk | dynamic
+    # (= ntk) | yarn | llama3. Set at eval time with `+extrapolation=pi|ntk|yarn`.
     rope_scaling_type: str = "none"
     rope_scaling_factor: float = 1.0
     rope_original_max_position: int = 0  # the pretraining length (llama3, yarn)

@@ -2,12 +2,13 @@
 
 Loads a checkpoint's model (its shape and tokenizer come from the config saved in it), builds it
 with the attention variant of *this* command line, so a model trained with standard attention
-can be evaluated with DCA or chunked attention, and measures per (length, depth) the simple
-passkey's accuracy (repeated filler) and multi-key retrieval among distractors in held-out corpus
-text (trainer/retrieval.py), and per length the perplexity, also by position bucket (0..T, T..2T,
-2T..4T, ... with T the trained length). Results go to `eval.json`, `passkey.png` and
-`perplexity.png` in the run directory and, on rank 0, to wandb (tables and plots). A Hydra
-multirun (`-m +attention=dca,chunked`) groups its runs in wandb.
+can be evaluated with DCA or chunked attention, and with this command line's RoPE scaling
+(`+extrapolation=pi|ntk|yarn`, any `model.rope_*`: trainer/rope_override.py). It measures per
+(length, depth) the simple passkey's accuracy (repeated filler) and multi-key retrieval among
+distractors in held-out corpus text (trainer/retrieval.py), and per length the perplexity, also
+by position bucket (0..T, T..2T, 2T..4T, ... with T the trained length). Results go to
+`eval.json`, `passkey.png` and `perplexity.png` in the run directory and, on rank 0, to wandb
+(tables and plots). A Hydra multirun (`-m +attention=dca,chunked`) groups its runs in wandb.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import CONF_DIR, check_known_keys, register_configs
 from trainer.entry import exits_on_user_error
+from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
 from trainer.validate import check_model, validate_eval
 
 register_configs()
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.device):
-    """The checkpoint's model shape with this command's attention, weights loaded (checked)."""
+    """The checkpoint's model shape (`saved.model`, with this command's RoPE scaling) with this
+    command's attention, weights loaded (checked)."""
     from megatron.core.transformer.module import Float16Module
 
     from ckpt.load import load_model_weights
@@ -138,6 +141,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     ckpt = resolve_checkpoint(cfg.checkpoint.load)
     extra = saved_extra(ckpt)
     saved = OmegaConf.create(yaml.safe_load(extra["config"]))
+    trained_length = cfg.eval.trained_length or saved.trainer.seq_length
+    saved.model = with_rope_overrides(cfg.model, saved.model, typed_model_keys(_overrides()),
+                                      trained_length, max(cfg.eval.lengths))
     check_model(saved.model, cfg.attention, cfg.parallel)
     device = resolve_device(cfg.trainer.device)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
@@ -149,6 +155,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             label += "+" + describe(DCAScaling(a.dca_scaling, a.dca_scaling_parts,
                                                a.dca_scaling_attn_scale, a.dca_scaling_floor_scale,
                                                a.dca_scaling_original_length), a.dca_chunk_size)
+        if describe_rope(saved.model):
+            label += "+" + describe_rope(saved.model)
         log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
                  "lengths %s", ckpt, extra["step"], saved.attention.kind, label,
                  list(cfg.eval.lengths))
@@ -164,12 +172,14 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             if e.multikey_trials > 0 else []
         points = perplexity_by_length(model, valid.stream, list(e.lengths), e.perplexity_windows,
                                       e.batch_size, tokenizer.vocab_size, device,
-                                      e.trained_length or saved.trainer.seq_length)
+                                      trained_length)
     finally:
         shutdown()
     results = {
         "checkpoint": str(ckpt), "step": extra["step"], "trained_attention": saved.attention.kind,
         "attention": OmegaConf.to_container(cfg.attention), "label": label,
+        "rope": {k: v for k, v in OmegaConf.to_container(saved.model).items()
+                 if k.startswith("rope_")}, "trained_length": trained_length,
         "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],
         "multikey": [asdict(c) | {"accuracy": c.accuracy} for c in multikey],
         "perplexity": [asdict(p) | {"perplexity": p.perplexity, "buckets": [
@@ -196,6 +206,10 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             _log_wandb(cfg, run_dir, label, cells, points, plots, multikey)
         log.info("results in %s", run_dir)
     return results
+
+
+def _overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

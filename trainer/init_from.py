@@ -2,7 +2,8 @@
 
 A checkpoint carries its run config, so `checkpoint.load=DST` needs no `model=`: when the run's
 model group is the untouched default, the saved model config replaces it; when the user chose a
-model and it differs, the run refuses, listing the differing settings. A *model-only*
+model and it differs, the run refuses, listing the differing settings; `model.rope_*` set on
+the command line (`+extrapolation=yarn`) win, as at eval (trainer/rope_override.py). A *model-only*
 checkpoint (`python -m ckpt import-hf`, `reshape --model-only`) is a fine-tune start: weights
 only, step 0, a fresh optimizer, schedule and data order; the tokenizer's vocabulary must fit
 the checkpoint's embedding.
@@ -13,21 +14,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-import conf
 from ckpt.inspect import MODEL_WEIGHT
 from ckpt.load import load_model_weights
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
-from models.schema import ModelConfig
 from trainer.errors import UserError
+from trainer.rope_override import typed_model_keys, with_rope_overrides
 
 
-def _default_model() -> DictConfig:
-    """The model group as `python -m trainer` composes it when none is chosen."""
-    tiny = OmegaConf.load(Path(conf.__file__).parent / "model" / "tiny.yaml")
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), tiny)
+def _overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 class FineTuneStart:
@@ -56,14 +56,10 @@ def adopt_saved_model(cfg: DictConfig) -> FineTuneStart | None:
     ckpt = Checkpoint(path)
     if "config" not in ckpt.extra:
         return None
-    saved = OmegaConf.merge(OmegaConf.structured(ModelConfig), ckpt.config.model)
-    if cfg.model == _default_model():
-        with open_dict(cfg):
-            cfg.model = saved
-    else:
-        differing = [f"model.{k}: run {cfg.model[k]}, checkpoint {saved[k]}"
-                     for k in saved if k != "name" and cfg.model.get(k) != saved[k]]
-        if differing:
-            raise UserError(f"checkpoint.load={cfg.checkpoint.load} holds another model; drop "
-                             "model= to use the checkpoint's, or fix:\n  " + "\n  ".join(differing))
+    # The saved model, with the run's model.rope_* (they change no parameter; a different
+    # chosen model is refused, listing the differing settings): trainer/rope_override.py.
+    model = with_rope_overrides(cfg.model, ckpt.config.model, typed_model_keys(_overrides()),
+                                ckpt.config.trainer.seq_length, cfg.trainer.seq_length)
+    with open_dict(cfg):
+        cfg.model = model
     return FineTuneStart(path, ckpt) if ckpt.extra.get("model_only") else None

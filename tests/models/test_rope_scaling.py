@@ -16,6 +16,7 @@ HEAD_DIM, THETA, ORIGINAL = 64, 500000.0, 256
 CASES = {
     "linear": (dict(factor=4.0), RopeScaling("linear", 4.0)),
     "dynamic": (dict(factor=2.0), RopeScaling("dynamic", 2.0)),
+    "ntk": (dict(factor=8.0), RopeScaling("ntk", 8.0)),  # the user-facing name of the same
     "llama3": (dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=ORIGINAL),
                RopeScaling("llama3", 8.0, ORIGINAL, low_freq_factor=1.0, high_freq_factor=4.0)),
@@ -29,6 +30,7 @@ CASES = {
 
 
 def _hf(rope_type: str, params: dict) -> tuple[torch.Tensor, float]:
+    rope_type = "dynamic" if rope_type == "ntk" else rope_type
     # transformers' dynamic base is theta * (s * n / L - (s - 1)) ** (d / (d - 2)) at length n;
     # at n = L (2s - 1) / s it is the static NTK base theta * s ** (d / (d - 2)) we compute.
     config = LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, head_dim=HEAD_DIM,

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from ckpt.hf_import import import_hf
+from ckpt.paths import resolve_checkpoint
+from ckpt.reader import Checkpoint
 from tests.ckpt.hf_models import save_hf
 from tests.conftest import FAST, compose_config
 
@@ -33,3 +35,19 @@ def test_a_different_chosen_model_is_refused(tmp_path: Path) -> None:
         adopt_saved_model(cfg)
     cfg = compose_config(FAST + [f"checkpoint.load={tmp_path / 'imported'}"])
     assert adopt_saved_model(cfg) is not None and cfg.model.qkv_bias
+
+
+def test_a_fine_tune_takes_the_command_lines_rope_scaling(tmp_path: Path) -> None:
+    from trainer.init_from import adopt_saved_model
+
+    hf = save_hf(tmp_path / "hf", "llama", tied=False)
+    import_hf(hf, tmp_path / "imported", 1)
+    saved = Checkpoint(resolve_checkpoint(str(tmp_path / "imported"))).config
+    cfg = compose_config(FAST + [f"checkpoint.load={tmp_path / 'imported'}",
+                                 "+extrapolation=yarn", "model.rope_scaling_factor=4"])
+    assert adopt_saved_model(cfg) is not None
+    assert (cfg.model.rope_scaling_type, cfg.model.rope_scaling_factor) == ("yarn", 4)
+    # 0 in the preset: the saved value, else the trained length
+    assert cfg.model.rope_original_max_position == (saved.model.rope_original_max_position
+                                                    or saved.trainer.seq_length)
+    assert cfg.model.num_layers == saved.model.num_layers

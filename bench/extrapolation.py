@@ -1,0 +1,235 @@
+"""Which method runs a model at N times its trained length? (issue 17 items 4-5)
+
+One command trains a BPE tokenizer on the embedded corpus, trains a model at T for a wall-time
+budget, evaluates the checkpoint with every training-free method at T..16T with
+`python -m trainer.eval` (one run directory each, one wandb group), and writes results.json,
+results.md and extrapolation.png into --out:
+
+    python bench/extrapolation.py --out results/extrapolation               # GPU, ~10 minutes
+    python bench/extrapolation.py --smoke --out /tmp/extrap                 # CPU, toy scale
+
+Methods: standard RoPE, PI, NTK-aware, YaRN (each with factor s = length / T, one eval run per
+length: `+extrapolation=...`), DCA (chunk T, local T/8) plain and with `attention.dca_scaling`
+log / yarn at the sources' defaults; with --irope a second model trained with chunked attention
+(chunk T/4) and global no-RoPE layers, evaluated as trained; with --dca-finetune-steps N the
+first model fine-tuned N steps with DCA (chunk T/2 < T, so it sees chunk structure) and
+evaluated with DCA again (a resume at a constant lr/3 with the scheduler overridden).
+Training length: a short probe measures the step time, and max_steps is set so that training
+takes --minutes (the schedule then decays over the whole run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from extrapolation_report import collect, write  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="results.json/.md and the plot")
+    p.add_argument("--work", type=Path, help="run directories (default: OUT/../extrapolation-work)")
+    p.add_argument("--model", default="gpt_125m")
+    p.add_argument("--seq", type=int, default=2048, help="trained length T")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--minutes", type=float, default=4.0, help="training wall time")
+    p.add_argument("--steps", type=int, help="training steps (skips the probe)")
+    p.add_argument("--probe-steps", type=int, default=12)
+    p.add_argument("--lr", type=float, default=6e-4, help="peak lr, cosine to lr/10")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--max-documents", type=int, help="embedded corpus documents (default all)")
+    p.add_argument("--lengths", default="1,2,4,8,16", help="multiples of T")
+    p.add_argument("--trials", type=int, default=10, help="per (length, depth); 5 depths")
+    p.add_argument("--eval-batch", type=int, default=4)
+    p.add_argument("--irope", action="store_true", help="also train chunked + global layers")
+    p.add_argument("--dca-finetune-steps", type=int, default=0)
+    p.add_argument("--group", default=f"extrapolation-{time.strftime('%Y%m%d-%H%M%S')}",
+                   help="wandb group")
+    p.add_argument("--no-wandb", action="store_true")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU toy: tiny model, T=128 (multi-key needs it), lengths x1 x2, 2 trials")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.seq, args.batch, args.micro_batch = "tiny", 128, 4, 4
+        args.minutes, args.probe_steps, args.vocab, args.max_documents = 0.05, 3, 512, 40
+        args.lengths, args.trials, args.eval_batch, args.no_wandb = "1,2", 1, 2, True
+        args.irope, args.dca_finetune_steps = True, max(args.dca_finetune_steps, 3)
+    args.work = args.work or args.out.parent / f"{args.out.name}-work"
+    return args
+
+
+def run(module: str, overrides: list[str], log: Path) -> None:
+    """`python -m module overrides`, output to `log`; a failure prints the log's tail."""
+    cmd = [sys.executable, "-m", module, *overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    print("+", " ".join(cmd[1:]), flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        tail = log.read_text().splitlines()[-30:]
+        sys.exit(f"{module} failed (exit {proc.returncode}); log {log}:\n" + "\n".join(tail))
+    print(f"  done in {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def train(overrides: list[str], run_dir: Path) -> Path:
+    """`python -m trainer` into `run_dir`, unless a finished run is there (rerunning the bench
+    with the same --work reuses its trainings; delete --work to start over)."""
+    ckpt = run_dir / "checkpoints"
+    if (ckpt / "latest_checkpointed_iteration.txt").is_file():
+        print(f"reusing {ckpt}", flush=True)
+    else:
+        run("trainer", overrides + [f"hydra.run.dir={run_dir}"], run_dir.with_suffix(".log"))
+    return ckpt
+
+
+def train_tokenizer(path: Path, vocab: int, max_documents: int | None) -> None:
+    """Byte-level BPE on the embedded corpus; eod is `<|endoftext|>` (JsonTokenizer's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from trainer.data import embedded_corpus
+
+    texts = [text for _, text in embedded_corpus(max_documents=max_documents)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+
+
+def common(args: argparse.Namespace, tokenizer: Path) -> list[str]:
+    data = [f"data.tokenizer={tokenizer}"]
+    if args.max_documents:
+        data.append(f"data.max_documents={args.max_documents}")
+    return data + (["logger=none"] if args.no_wandb else [f"logger.group={args.group}"])
+
+
+def train_overrides(args: argparse.Namespace, steps: int) -> list[str]:
+    return [f"model={args.model}", f"trainer.seq_length={args.seq}",
+            f"trainer.micro_batch_size={args.micro_batch}",
+            f"trainer.global_batch_size={args.batch}", f"trainer.max_steps={steps}",
+            f"trainer.lr={args.lr:g}", f"trainer.min_lr={args.lr / 10:g}",
+            f"trainer.warmup_steps={max(1, steps // 20)}", "trainer.eval_interval=0",
+            "trainer.save_interval=0", f"trainer.log_interval={max(1, steps // 50)}"]
+
+
+def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
+    """Steps that fit --minutes, from the median step time of a short run (warm-up excluded)."""
+    if args.steps:
+        return args.steps
+    d = args.work / "probe"
+    run("trainer", base + train_overrides(args, args.probe_steps)[:-3] + [
+        "trainer.eval_interval=0", "checkpoint.save=false", "trainer.log_interval=1",
+        "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    seconds = statistics.median(r["step_time_s"] for r in rows[len(rows) // 3:])
+    steps = max(args.probe_steps, int(args.minutes * 60 / seconds))
+    print(f"  probe: {seconds:.3f}s/step -> {steps} steps for {args.minutes} min", flush=True)
+    return steps
+
+
+def evaluations(args: argparse.Namespace, lengths: list[int]) -> dict[str, list[str]]:
+    """Method name -> `trainer.eval` overrides (the RoPE-scaled ones are swept per length)."""
+    t = args.seq
+    dca = ["+attention=dca", f"attention.dca_chunk_size={t}", f"attention.dca_local_size={t // 8}"]
+    return {
+        "standard": [], "pi": ["+extrapolation=pi"], "ntk": ["+extrapolation=ntk"],
+        "yarn": ["+extrapolation=yarn"], "dca": dca,
+        "dca+log": dca + ["attention.dca_scaling=log"],
+        "dca+yarn": dca + ["attention.dca_scaling=yarn"],
+    }
+
+
+def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
+             base: list[str], lengths: list[int]) -> list[Path]:
+    """One `trainer.eval` run (all lengths), or a multirun of one job per length when the
+    method's RoPE factor follows the length; returns the eval.json paths."""
+    d = args.work / "eval" / name.replace("+", "_")
+    depths = "[0.0,1.0]" if args.smoke else "[0.0,0.25,0.5,0.75,1.0]"
+    overrides = base + [f"checkpoint.load={ckpt}", f"eval.depths={depths}",
+                        f"eval.passkey_trials={args.trials}", f"eval.multikey_trials={args.trials}",
+                        f"eval.batch_size={args.eval_batch}", f"eval.trained_length={args.seq}",
+                        f"eval.perplexity_windows={2 if args.smoke else 8}",
+                        f"eval.multikey_keys={1 if args.smoke else 4}", *extra]
+    if any(o.startswith("+extrapolation=") for o in extra):
+        sweep = ",".join(f"[{n}]" for n in lengths if n > args.seq)
+        if not sweep:
+            return []
+        run("trainer.eval", ["-m", *overrides, f"eval.lengths={sweep}",
+                             f"hydra.sweep.dir={d}", "hydra.sweep.subdir=${hydra.job.num}"],
+            d.with_suffix(".log"))
+        return sorted(d.glob("*/eval.json"))
+    lengths_arg = "[" + ",".join(map(str, lengths)) + "]"
+    run("trainer.eval", [*overrides, f"eval.lengths={lengths_arg}", f"hydra.run.dir={d}"],
+        d.with_suffix(".log"))
+    return [d / "eval.json"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    args.work.mkdir(parents=True, exist_ok=True)
+    lengths = [int(float(m) * args.seq) for m in args.lengths.split(",")]
+    tokenizer = args.work / "tokenizer.json"
+    if not tokenizer.is_file():
+        print(f"training a {args.vocab}-token BPE tokenizer -> {tokenizer}", flush=True)
+        train_tokenizer(tokenizer, args.vocab, args.max_documents)
+    base = common(args, tokenizer)
+    steps = probe_steps(args, base)
+    ckpt = train(base + train_overrides(args, steps), args.work / "train")
+    runs = {name: evaluate(args, name, ckpt, extra, base, lengths)
+            for name, extra in evaluations(args, lengths).items()}
+    if args.irope:
+        chunked = ["+attention=chunked", f"attention.chunk_size={args.seq // 4}",
+                   "attention.global_layer_interval=" + ("2" if args.smoke else "4")]
+        irope = train(base + train_overrides(args, steps) + chunked, args.work / "train_irope")
+        runs["irope"] = evaluate(args, "irope", irope, chunked, base, lengths)
+    if args.dca_finetune_steps:
+        runs.update(dca_finetune(args, base, ckpt, steps, lengths))
+    rows = collect({k: v for k, v in runs.items() if v})
+    meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
+            "lr": args.lr, "vocab": args.vocab, "lengths": lengths, "trials": args.trials,
+            "wandb_group": None if args.no_wandb else args.group, "smoke": args.smoke,
+            "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - t_start)}
+    for path in write(rows, args.out, meta):
+        print("wrote", path)
+
+
+def dca_finetune(args: argparse.Namespace, base: list[str], ckpt: Path, steps: int,
+                 lengths: list[int]) -> dict[str, list[Path]]:
+    """Continue training the model with DCA at T (chunk T/2 < T) for --dca-finetune-steps at a
+    constant lr/3 (its optimizer state kept, the scheduler overridden), then evaluate it with
+    the same DCA, plain and with yarn scaling."""
+    c = args.seq // 2
+    dca = ["+attention=dca", f"attention.dca_chunk_size={c}", f"attention.dca_local_size={c // 8}"]
+    schedule = [o for o in train_overrides(args, steps + args.dca_finetune_steps)
+                if not o.startswith(("trainer.lr=", "trainer.min_lr=", "trainer.warmup_steps="))]
+    tuned = train(base + schedule + dca + [
+        f"checkpoint.load={ckpt}", "checkpoint.override_scheduler=true",
+        "trainer.lr_decay_style=constant", f"trainer.lr={args.lr / 3:g}",
+        f"trainer.min_lr={args.lr / 3:g}", "trainer.warmup_steps=0"], args.work / "train_dca_ft")
+    return {"dca-ft": evaluate(args, "dca-ft", tuned, dca, base, lengths),
+            "dca-ft+yarn": evaluate(args, "dca-ft+yarn", tuned,
+                                    dca + ["attention.dca_scaling=yarn"], base, lengths)}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Results of `bench/extrapolation.py`: read every run's eval.json, write one JSON, a markdown
+table and one PNG (passkey, multi-key accuracy and perplexity per method and length)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def summarize(method: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per length of one eval.json: passkey and multi-key accuracy over all depths,
+    perplexity, and perplexity at positions >= the trained length (None when none are)."""
+    trained = result["trained_length"]
+    rows = []
+    for point in result["perplexity"]:
+        n = point["length"]
+        passkey = [c for c in result["passkey"] if c["length"] == n]
+        multikey = [c for c in result["multikey"] if c["length"] == n]
+        beyond = [b for b in point["buckets"] if b["start"] >= trained and b["tokens"] > 0]
+        tokens = sum(b["tokens"] for b in beyond)
+        rows.append({
+            "method": method, "label": result["label"], "length": n,
+            "multiple": n / trained,
+            "passkey": _share(passkey, "correct", "trials"),
+            "passkey_trials": sum(c["trials"] for c in passkey),
+            "multikey": _share(multikey, "correct", "trials"),
+            "multikey_distractor": _share(multikey, "distractor", "trials"),
+            "multikey_trials": sum(c["trials"] for c in multikey),
+            "ppl": point["perplexity"],
+            "ppl_beyond_T": math.exp(sum(b["nll"] * b["tokens"] for b in beyond) / tokens)
+            if tokens else None,
+        })
+    return rows
+
+
+def _share(cells: list[dict[str, Any]], key: str, total: str) -> float | None:
+    n = sum(c[total] for c in cells)
+    return sum(c[key] for c in cells) / n if n else None
+
+
+def collect(runs: dict[str, list[Path]]) -> list[dict[str, Any]]:
+    """Rows of every method (name -> its runs' eval.json paths), sorted by method then length."""
+    rows = []
+    for method, paths in runs.items():
+        for path in paths:
+            rows += summarize(method, json.loads(Path(path).read_text()))
+    order = list(runs)
+    return sorted(rows, key=lambda r: (order.index(r["method"]), r["length"]))
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """Method x length table: passkey / multi-key / ppl / ppl at positions >= T per cell."""
+    lengths = sorted({r["length"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["length"]): r for r in rows}
+    head = "| method | " + " | ".join(
+        f"{n} ({cell_multiple(rows, n)})" for n in lengths) + " |"
+    lines = ["Each cell: passkey / multi-key / perplexity / perplexity at positions >= T.", "",
+             head, "|" + " --- |" * (len(lengths) + 1)]
+    for m in methods:
+        cells = []
+        for n in lengths:
+            r = cell.get((m, n))
+            cells.append("" if r is None else " / ".join(
+                [_fmt(r["passkey"]), _fmt(r["multikey"]), _fmt(r["ppl"]),
+                 _fmt(r["ppl_beyond_T"])]))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    labels = list(dict.fromkeys(f"- {r['method']}: `{r['label']}`" for r in rows))
+    trials = {(r["passkey_trials"], r["multikey_trials"]) for r in rows}
+    return "\n".join(lines + ["", "Run labels:", *labels, "",
+                              f"Trials per cell (passkey, multi-key): {sorted(trials)}", ""])
+
+
+def cell_multiple(rows: list[dict[str, Any]], length: int) -> str:
+    multiple = next(r["multiple"] for r in rows if r["length"] == length)
+    return f"{multiple:g}T"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Three panels over length: passkey, multi-key accuracy, perplexity (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        x = [r["length"] for r in mine]
+        for ax, key in zip(axes, ("passkey", "multikey", "ppl")):
+            y = [math.nan if r[key] is None else r[key] for r in mine]
+            ax.plot(x, y, marker="o", label=method)
+    for ax, name in zip(axes, ("passkey accuracy", "multi-key accuracy", "perplexity")):
+        ax.set(xscale="log", xlabel="context length (tokens)", ylabel=name, title=name)
+        if name != "perplexity":
+            ax.set_ylim(-0.02, 1.02)
+        else:
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[Path]:
+    """results.json (meta + rows), results.md and extrapolation.png into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md", out / "extrapolation.png"]
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    title = f"{meta.get('model', '')} trained at T={meta.get('seq_length', '?')}"
+    paths[1].write_text(f"# Extrapolation: {title}\n\n" + markdown(rows))
+    plot(rows, paths[2], title)
+    return paths

@@ -1,0 +1,72 @@
+"""bench/extrapolation.py's pieces that could fail silently: the tokenizer it trains must load as
+the trainer loads it, and the table must read eval.json as trainer.eval writes it."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import extrapolation  # noqa: E402
+import extrapolation_report  # noqa: E402
+
+
+def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_path: Path) -> None:
+    from trainer.data import embedded_corpus
+    from trainer.tokenizer import load_tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    extrapolation.train_tokenizer(path, 300, max_documents=3)
+    tok = load_tokenizer(str(path))
+    assert tok.vocab_size == 300
+    assert tok.eod == tok._tok.token_to_id("<|endoftext|>")  # in the vocabulary, not appended
+    text = embedded_corpus(max_documents=4)[3][1][:2000]  # a document it was not trained on
+    ids = tok.encode(text)
+    assert tok.eod not in ids and len(ids) < len(text.encode())  # merges learnt, no eod
+    assert tok.decode(ids) == text
+
+
+def _eval_json(trained: int) -> dict:
+    """An eval.json as trainer.eval writes it, from its own dataclasses."""
+    from trainer.evaluate import PasskeyCell, PerplexityPoint, PositionBucket
+    from trainer.retrieval import MultiKeyCell
+
+    passkey = [PasskeyCell(128, 0.0, 3, 4), PasskeyCell(128, 1.0, 1, 4),
+               PasskeyCell(256, 0.0, 0, 4), PasskeyCell(256, 1.0, 2, 4)]
+    multikey = [MultiKeyCell(128, 0.0, 1, 1, 2, 4), MultiKeyCell(128, 1.0, 2, 0, 2, 4),
+                MultiKeyCell(256, 0.0, 0, 2, 2, 4), MultiKeyCell(256, 1.0, 0, 0, 2, 4)]
+    points = [PerplexityPoint(128, 2.0, 1, [PositionBucket(0, 128, 2.0, 127)]),
+              PerplexityPoint(256, 2.5, 1, [PositionBucket(0, 128, 2.0, 127),
+                                            PositionBucket(128, 192, 3.0, 64),
+                                            PositionBucket(192, 256, 4.0, 64)])]
+    return {"label": "standard+yarn(s=2,T0=128)", "trained_length": trained,
+            "passkey": [asdict(c) for c in passkey], "multikey": [asdict(c) for c in multikey],
+            "perplexity": [asdict(p) | {"perplexity": math.exp(p.nll)} for p in points]}
+
+
+def test_table_reads_eval_json(tmp_path: Path) -> None:
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(_eval_json(128)))
+    rows = extrapolation_report.collect({"yarn": [path]})
+    assert [(r["length"], r["multiple"]) for r in rows] == [(128, 1.0), (256, 2.0)]
+    assert [r["passkey"] for r in rows] == [4 / 8, 2 / 8]
+    assert [r["multikey"] for r in rows] == [3 / 4, 0.0]
+    assert [r["multikey_distractor"] for r in rows] == [1 / 4, 2 / 4]
+    assert rows[0]["ppl_beyond_T"] is None  # no position at or past T = 128
+    assert math.isclose(rows[1]["ppl_beyond_T"], math.exp(3.5))  # 64 tokens at 3, 64 at 4
+    files = extrapolation_report.write(rows, tmp_path / "out", {"model": "tiny", "seq_length": 128})
+    table = files[1].read_text()
+    assert "| yarn | 0.50 / 0.75 / 7.39 / — | 0.25 / 0.00 / 12.18 / 33.12 |" in table
+    assert "256 (2T)" in table and "standard+yarn(s=2,T0=128)" in table
+    assert json.loads(files[0].read_text())["rows"] == rows
+    assert files[2].stat().st_size > 0
+
+
+def test_smoke_arguments_stay_small() -> None:
+    args = extrapolation.parse_args(["--smoke", "--out", "/tmp/x/out"])
+    assert (args.model, args.seq, args.lengths) == ("tiny", 128, "1,2")
+    assert args.work == Path("/tmp/x/out-work")
