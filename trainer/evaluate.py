@@ -92,7 +92,9 @@ def greedy_continue(model: torch.nn.Module, prompts: torch.Tensor, steps: int,
 def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], depths: list[float],
                      trials: int, digits: int, batch_size: int, seed: int,
                      device: torch.device) -> list[PasskeyCell]:
-    """Accuracy per (length, depth): a trial passes when every key token is reproduced."""
+    """Accuracy per (length, depth): a trial passes when the greedy continuation's text starts
+    with the key's (compared as text: a subword tokenizer's key may take a different number of
+    tokens from trial to trial, or be produced with another split of the same digits)."""
     rng = np.random.default_rng(seed)
     cells = []
     grid = [(length, depth) for length in lengths for depth in depths]
@@ -102,9 +104,10 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
             keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
             pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
             prompts = torch.tensor([p for p, _ in pairs], device=device)
-            answers = torch.tensor([a for _, a in pairs], device=device)
-            out = greedy_continue(model, prompts, answers.shape[1], tokenizer.vocab_size)
-            correct += int((out == answers).all(dim=1).sum())
+            steps = max(len(a) for _, a in pairs)
+            out = greedy_continue(model, prompts, steps, tokenizer.vocab_size)
+            correct += sum(tokenizer.decode(row).startswith(tokenizer.decode(a))
+                           for row, (_, a) in zip(out.tolist(), pairs))
         cells.append(PasskeyCell(length, depth, correct, trials))
     return cells
 
