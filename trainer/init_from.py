@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import conf
 from ckpt.inspect import MODEL_WEIGHT
-from ckpt.load import load_model_weights
+from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from models.schema import ModelConfig
@@ -45,7 +45,7 @@ class FineTuneStart:
         return self.rows
 
     def load(self, model: torch.nn.Module) -> None:
-        load_model_weights(self.path, model)
+        load_fine_tune_start(self.path, model)
 
 
 def adopt_saved_model(cfg: DictConfig) -> FineTuneStart | None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -14,6 +16,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from ckpt.hf_import import import_hf
 
 VOCAB = 300  # not a multiple of 128: the import pads it
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -51,3 +55,29 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+# One save and one import per (family, tied[, tp]) per pytest process, shared by every module
+# that asks: the HF tests spent most of their time re-importing the same models.
+_SAVED: dict[tuple[str, bool], Path] = {}
+_IMPORTED: dict[tuple[str, bool, int], Path] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_imported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, Path]]:
+    """`get(family, tied, tp=1)` -> (HF dir, imported checkpoints root), made once per session.
+    Tests must not modify either (write elsewhere). Call it while no process group exists
+    (before `single_process`): a TP=1 import then runs in this process, not a spawned one."""
+
+    def get(family: str, tied: bool, tp: int = 1) -> tuple[Path, Path]:
+        name = f"{family}-{'tied' if tied else 'untied'}"
+        if (family, tied) not in _SAVED:
+            _SAVED[family, tied] = save_hf(tmp_path_factory.mktemp(name) / "hf", family, tied)
+        hf = _SAVED[family, tied]
+        if (family, tied, tp) not in _IMPORTED:
+            dst = tmp_path_factory.mktemp(f"{name}-tp{tp}") / "ckpt"
+            import_hf(hf, dst, tp)
+            _IMPORTED[family, tied, tp] = dst
+        return hf, _IMPORTED[family, tied, tp]
+
+    return get
