@@ -29,20 +29,30 @@ def _default_model() -> DictConfig:
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), tiny)
 
 
+def checkpoint_vocab(path: Path, ckpt: Checkpoint, tokenizer_vocab: int, tokenizer: str) -> int:
+    """The vocabulary to build the checkpoint's model with: its embedding rows (the padded
+    vocabulary), if the tokenizer's ids fit the model's real vocabulary (an imported model's
+    `vocab_size`, else the rows); refused naming both sizes otherwise."""
+    rows = ckpt.tensors[MODEL_WEIGHT].shape[0]
+    real = (ckpt.extra.get("hf_source") or {}).get("vocab_size") or rows
+    if tokenizer_vocab > real:
+        what = f"a vocabulary of {real}" + (f" ({rows} rows with padding)" if rows != real else "")
+        raise ValueError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens; the "
+                         f"checkpoint {path} has {what}: use the model's own tokenizer "
+                         "(data.tokenizer=HF_DIR)")
+    return rows
+
+
 class FineTuneStart:
     """A model-only checkpoint to start from (see the module docstring)."""
 
     def __init__(self, path: Path, ckpt: Checkpoint) -> None:
         self.path = path
-        self.rows = ckpt.tensors[MODEL_WEIGHT].shape[0]  # the padded vocabulary
+        self.ckpt = ckpt
 
     def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
         """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""
-        if tokenizer_vocab > self.rows:
-            raise ValueError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens, more "
-                             f"than the checkpoint {self.path} has rows ({self.rows}); use the "
-                             "model's own tokenizer (data.tokenizer=HF_DIR)")
-        return self.rows
+        return checkpoint_vocab(self.path, self.ckpt, tokenizer_vocab, tokenizer)
 
     def load(self, model: torch.nn.Module) -> None:
         load_fine_tune_start(self.path, model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +52,34 @@ def save_hf(directory: Path, family: str, tied: bool, seed: int = 0, **save_kwar
     return directory
 
 
+TOKENIZER_TEXT = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def main(argv):\n    return sum(int(x) for x in argv)\n",
+    "There is an important piece of information hidden inside a lot of irrelevant text.",
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+]
+
+
+def save_tokenizer(directory: Path, eos: str = "<|end_of_text|>", vocab_size: int = 290,
+                   eos_as_dict: bool = False, text: list[str] | None = None) -> Path:
+    """A byte-level BPE `tokenizers` tokenizer trained here on a few strings (every byte is a
+    token, so any text encodes), saved as tokenizer.json with a tokenizer_config.json naming
+    `eos` (a special token of the vocabulary) as Hugging Face models do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text or TOKENIZER_TEXT, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    token = {"content": eos, "special": True} if eos_as_dict else eos
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": token}))
+    return directory
+
+
 def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -72,7 +101,8 @@ def hf_imported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple
     def get(family: str, tied: bool, tp: int = 1) -> tuple[Path, Path]:
         name = f"{family}-{'tied' if tied else 'untied'}"
         if (family, tied) not in _SAVED:
-            _SAVED[family, tied] = save_hf(tmp_path_factory.mktemp(name) / "hf", family, tied)
+            _SAVED[family, tied] = save_tokenizer(
+                save_hf(tmp_path_factory.mktemp(name) / "hf", family, tied))
         hf = _SAVED[family, tied]
         if (family, tied, tp) not in _IMPORTED:
             dst = tmp_path_factory.mktemp(f"{name}-tp{tp}") / "ckpt"
