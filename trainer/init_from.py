@@ -29,12 +29,19 @@ def _default_model() -> DictConfig:
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), tiny)
 
 
+def real_vocab(ckpt: Checkpoint) -> int:
+    """The model's vocabulary without padding: an imported model's `vocab_size`, the one a
+    trainer run recorded (`extra.vocab_size`), else the embedding rows."""
+    return ((ckpt.extra.get("hf_source") or {}).get("vocab_size") or ckpt.extra.get("vocab_size")
+            or ckpt.tensors[MODEL_WEIGHT].shape[0])
+
+
 def checkpoint_vocab(path: Path, ckpt: Checkpoint, tokenizer_vocab: int, tokenizer: str) -> int:
     """The vocabulary to build the checkpoint's model with: its embedding rows (the padded
-    vocabulary), if the tokenizer's ids fit the model's real vocabulary (an imported model's
-    `vocab_size`, else the rows); refused naming both sizes otherwise."""
+    vocabulary), if the tokenizer's ids fit the model's real vocabulary (`real_vocab`); refused
+    naming both sizes otherwise."""
     rows = ckpt.tensors[MODEL_WEIGHT].shape[0]
-    real = (ckpt.extra.get("hf_source") or {}).get("vocab_size") or rows
+    real = real_vocab(ckpt)
     if tokenizer_vocab > real:
         what = f"a vocabulary of {real}" + (f" ({rows} rows with padding)" if rows != real else "")
         raise ValueError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens; the "
@@ -49,6 +56,7 @@ class FineTuneStart:
     def __init__(self, path: Path, ckpt: Checkpoint) -> None:
         self.path = path
         self.ckpt = ckpt
+        self.real_vocab = real_vocab(ckpt)  # recorded again by the fine-tune's checkpoints
 
     def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
         """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""
