@@ -35,6 +35,11 @@ FAMILIES = {
     "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(
         **COMMON, tie_word_embeddings=tied, rope_parameters=dict(rope_type="default",
                                                                  rope_theta=1e6))),
+    # YaRN rope scaling on a Llama (Qwen2.5-style long-context configs use it).
+    "llama-yarn": lambda tied: LlamaForCausalLM(LlamaConfig(
+        **COMMON, tie_word_embeddings=tied, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0,
+            original_max_position_embeddings=16))),
     "mistral": lambda tied: MistralForCausalLM(MistralConfig(
         **COMMON, tie_word_embeddings=tied, sliding_window=None)),
 }

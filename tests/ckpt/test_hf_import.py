@@ -40,7 +40,7 @@ def our_logits(root: Path, tokens: torch.Tensor = TOKENS,
 
 @pytest.mark.parametrize("family, tied, tp", [
     ("llama", False, 1), ("llama", False, 2), ("qwen2", True, 1), ("qwen2", False, 2),
-    ("mistral", True, 1),
+    ("mistral", True, 1), ("llama-yarn", True, 1),
 ])
 def test_imported_logits_match_transformers(hf_imported, family: str, tied: bool,
                                             tp: int) -> None:
