@@ -49,3 +49,17 @@ def test_imported_logits_match_transformers(hf_imported, family: str, tied: bool
     assert extra["model_only"] and extra["tp"] == tp and extra["hf_source"]["vocab_size"] == VOCAB
     diff = (our_logits(root) - hf_logits(hf, TOKENS)).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+def test_the_imported_run_config_is_read_by_the_ckpt_tools(hf_imported, tmp_path: Path,
+                                                           capsys) -> None:
+    """The partial run config import-hf saves (ckpt/hf_import.py says why it is enough) works
+    for inspect and reshape; the trainer, trainer.eval and export-hf read it in
+    tests/trainer/test_init_from.py, test_hf_tokenizer.py and tests/ckpt/test_hf_export.py."""
+    from ckpt.__main__ import main
+
+    _, root = hf_imported("qwen2", True)
+    assert main(["inspect", str(root)]) == 0
+    assert main(["reshape", str(root), str(tmp_path / "tp2"), "--target-tp", "2",
+                 "--dry-run"]) == 0
+    assert "dry run" in capsys.readouterr().out
