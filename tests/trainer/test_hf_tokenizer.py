@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from ckpt.paths import resolve_checkpoint
+from ckpt.reader import Checkpoint
 from parallel.distributed import shutdown
 from tests.ckpt import hf_models
 from tests.ckpt.hf_models import VOCAB, save_tokenizer
@@ -51,6 +53,8 @@ def test_fine_tune_and_eval_with_the_models_tokenizer(tmp_path: Path, run_traini
     from trainer import eval as eval_entry
 
     hf, imported = hf_imported("llama", False)
+    assert Checkpoint(resolve_checkpoint(imported)).config.data.tokenizer == \
+        str(hf / "tokenizer.json")  # what trainer.eval below uses
     rows = run_training([f"checkpoint.load={imported}", f"data.tokenizer={hf}",
                          "trainer.max_steps=2", "checkpoint.save=false"], name="ft")
     assert [r["step"] for r in rows] == [1, 2]
