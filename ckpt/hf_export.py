@@ -33,6 +33,7 @@ from models.schema import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
+BYTE_VOCAB = 257  # trainer.tokenizer.ByteTokenizer: 256 bytes + end of document
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -66,6 +67,18 @@ def _longctx(ckpt: Checkpoint) -> dict[str, Any]:
     return {}
 
 
+def export_vocab(ckpt: Checkpoint) -> int:
+    """The vocabulary to export, padding rows dropped: an imported model's `vocab_size`, the one
+    the trainer recorded (`extra.vocab_size`: the tokenizer's, or the imported model's when
+    fine-tuned from one), 257 for a byte-tokenizer run saved before that was recorded, else
+    every embedding row."""
+    rows = ckpt.tensors[MODEL_WEIGHT].shape[0]
+    known = (ckpt.extra.get("hf_source") or {}).get("vocab_size") or ckpt.extra.get("vocab_size")
+    if not known and str(ckpt.config.get("data", {}).get("tokenizer")) == "byte":
+        known = BYTE_VOCAB
+    return min(known or rows, rows)
+
+
 def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
               max_shard_bytes: int = 5 * 2**30) -> None:
     """Write checkpoint `src` as the Hugging Face model directory `dst`."""
@@ -75,8 +88,7 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
     problems = _refusals(ckpt, m)
     if problems:
         raise HFError(f"cannot export {src_dir}:\n  - " + "\n  - ".join(problems))
-    source = ckpt.extra.get("hf_source") or {}
-    vocab = source.get("vocab_size") or ckpt.tensors[MODEL_WEIGHT].shape[0]
+    vocab = export_vocab(ckpt)
     dtype = ckpt.tensors[MODEL_WEIGHT].dtype
     extra = {"longctx": _longctx(ckpt)} if _longctx(ckpt) else {}
     cfg = hf_config(m, vocab, int(ckpt.config.trainer.seq_length), _DTYPES[dtype], extra)
@@ -115,9 +127,9 @@ def _write_weights(out: Path, tensors, max_shard_bytes: int) -> None:
 def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     """The run's tokenizer.json and the HF tokenizer files beside it, if any."""
     spec = str(ckpt.config.get("data", {}).get("tokenizer", "byte"))
-    if not spec.endswith(".json"):
+    tok = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+    if tok.suffix != ".json":
         return
-    tok = Path(spec)
     if not tok.is_file():
         raise HFError(f"the run's tokenizer {tok} is missing; export needs it to copy it")
     for name in TOKENIZER_FILES:

@@ -35,6 +35,7 @@ from models.gpt import BuildOptions, build_model, padded_vocab_size
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
+from parallel.lifetime import run_workers
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
@@ -132,8 +133,13 @@ def run_config(model: ModelConfig, tp: int, seq_length: int, tokenizer: str) -> 
 
 
 def _worker(rank: int, tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
-    """One TP rank: build the model at TP=`tp`, fill its shards from HF, save."""
+    """One TP rank (a spawned process): build the model at TP=`tp`, fill its shards, save."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    _import_rank(rank, tp, store, out_root, job)
+
+
+def _import_rank(rank: int, tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
+    """Build the model at TP=`tp`, fill this rank's shards from HF, save (collective)."""
     enable_cpu_mode()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
     try:
@@ -195,15 +201,21 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
            "files": {k: str(v) for k, v in files.items()}, "extra": extra}
     dst = Path(dst)
     with staged(dst, overwrite, sources=(hf_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
-        try:
-            mp.start_processes(_worker, args=(tp, f"{d}/store", str(tmp), job), nprocs=tp,
-                               start_method="spawn")
-        except mp.ProcessRaisedException as e:
-            raise RuntimeError(f"TP rank {e.error_index} failed:\n{e}") from None
-        except mp.ProcessExitedException as e:
-            raise RuntimeError(f"TP rank {e.error_index} died (exit code {e.exit_code})") \
-                from None
+        if tp == 1 and not dist.is_initialized():
+            _import_rank(0, 1, f"{d}/store", str(tmp), job)
+        else:
+            _spawn(tp, f"{d}/store", str(tmp), job)
     print(f"wrote {dst}/iter_0000000 (TP={tp}, model only)")
+
+
+def _spawn(tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
+    """`tp` worker processes, stopped with this one (`run_workers`)."""
+    try:
+        run_workers(_worker, (tp, store, out_root, job), tp)
+    except mp.ProcessRaisedException as e:
+        raise RuntimeError(f"TP rank {e.error_index} failed:\n{e}") from None
+    except mp.ProcessExitedException as e:
+        raise RuntimeError(f"TP rank {e.error_index} died (exit code {e.exit_code})") from None
 
 
 def _tp_problems(model: ModelConfig, vocab: int, tp: int) -> list[str]:

@@ -9,6 +9,7 @@ copied into the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -115,6 +116,57 @@ def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> d
     mismatches = template_mismatches(ckpt, template, with_optimizer=False)
     unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
     return ckpt.extra
+
+
+# The one deliberate gap a load allows: the head gate's rows (see `load_fine_tune_start`).
+_GATED = ("linear_qkv.weight", "linear_qkv.bias")
+
+
+def load_fine_tune_start(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+    """Model weights of a model-only checkpoint (`import-hf`, `reshape --model-only`) into a model
+    about to be fine-tuned; returns `extra`.
+
+    `load_model_weights`' checks with one narrow exception: a head-gated model may start from a
+    checkpoint saved without the gate (an imported model gets `+attention=head_gate`). Then, and
+    only when the checkpoint holds no `._gate` tensor at all and everything else fits, each
+    `linear_qkv` weight and bias loads its QKV rows from the ungated tensor and keeps its gate
+    rows as the model initialised them (weight: 0.1 x the normal init; bias, when the model has
+    q/k/v biases: 2.0, sigmoid = 0.88). Any other missing or misshapen tensor is refused as
+    always.
+    """
+    ckpt = open_checked(ckpt_dir)
+    if not ckpt.extra.get("model_only"):
+        raise CheckpointError(f"{ckpt_dir} is a training checkpoint, not a model-only one: "
+                              "resume from it instead")
+    template = training_state(model, None, is_loading=True, with_rng=False)
+    new_gate = (unwrap_model(model).config.head_wise_attn_gate
+                and not any(key.endswith("._gate") for key in ckpt.tensors))
+    if new_gate:
+        template["model"] = {key: _qkv_only(value) if key.endswith(_GATED) else value
+                             for key, value in template["model"].items()}
+        log.info("%s has no head gate: the gate rows keep their initial values", ckpt_dir)
+    mismatches = template_mismatches(ckpt, template, with_optimizer=False)
+    unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
+    return ckpt.extra
+
+
+def _qkv_only(factory: Any) -> Any:
+    """A head-gated `linear_qkv` factory (`qkv_gate_sharded_factory`) that loads its QKV part
+    from the ungated tensor's key (same global shape and sharding) and keeps its gate part."""
+    if not isinstance(factory, ShardedTensorFactory):
+        return factory
+    kept: list[torch.Tensor] = []
+
+    def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> list:
+        qkv, gate = factory.build_fn(key, t, replica_id, flattened_range)
+        kept[:] = [gate.data.clone()]  # the model's own initial gate rows
+        return [dataclasses.replace(qkv, key=key)]
+
+    def merge(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([parts[0], kept[0]])
+
+    return ShardedTensorFactory(factory.key, factory.data, build, merge, factory.replica_id,
+                                flattened_range=factory.flattened_range)
 
 
 def _load_if_fits(ckpt_dir: str | os.PathLike, template: dict[str, Any],

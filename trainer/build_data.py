@@ -40,7 +40,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-prefix", required=True,
                         help="output path without extension, e.g. data/mycorpus")
     parser.add_argument("--tokenizer", default="byte",
-                        help="'byte' (default) or a path to a `tokenizers` JSON file")
+                        help="'byte' (default), a `tokenizers` JSON file, or a Hugging Face "
+                             "model directory (its tokenizer.json; end of document: its "
+                             "tokenizer_config.json eos_token)")
     parser.add_argument("--text-key", default="text",
                         help="JSONL field holding the document text (default: text)")
     parser.add_argument("--overwrite", action="store_true",

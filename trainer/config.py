@@ -31,7 +31,7 @@ class DataConfig:
 
     name: str = "embedded"  # embedded | indexed
     path: str | None = None  # indexed: the .bin/.idx prefix
-    tokenizer: str = "byte"  # byte | path to a `tokenizers` JSON file
+    tokenizer: str = "byte"  # byte | a `tokenizers` JSON file | a Hugging Face model directory
     valid_fraction: float = 0.05
     max_documents: int | None = None
     passkey_fraction: float = 0.0  # share of training samples replaced by passkey examples

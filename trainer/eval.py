@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config import CONF_DIR, check_known_keys, register_configs
+from trainer.config import CONF_DIR, DataConfig, check_known_keys, register_configs
 from trainer.entry import exits_on_user_error
 from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
 from trainer.validate import check_model, validate_eval
@@ -35,20 +35,35 @@ register_configs()
 log = logging.getLogger(__name__)
 
 
+def _eval_data(cfg: DictConfig, saved: DictConfig) -> DictConfig:
+    """The checkpoint's run's data settings, each overridden where this command sets it to other
+    than the default (e.g. `data.tokenizer=HF_DIR`, `data.max_documents=N` for an imported
+    model, whose saved data group the import wrote)."""
+    data = OmegaConf.merge(OmegaConf.structured(DataConfig), saved.get("data", {}))
+    for key, value in OmegaConf.to_container(cfg.data).items():
+        if value != getattr(DataConfig, key, value):
+            data[key] = value
+    return data
+
+
 def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.device):
     """The checkpoint's model shape (`saved.model`, with this command's RoPE scaling) with this
     command's attention, weights loaded (checked)."""
     from megatron.core.transformer.module import Float16Module
 
     from ckpt.load import load_model_weights
+    from ckpt.reader import Checkpoint
     from models.gpt import BuildOptions, build_model
     from trainer.data import load_tokenizer
+    from trainer.init_from import checkpoint_vocab
 
-    tokenizer = load_tokenizer(saved.data.tokenizer)
+    spec = saved.data.tokenizer
+    tokenizer = load_tokenizer(spec)
     options = BuildOptions(bf16=device.type == "cuda" and cfg.trainer.precision != "fp32",
                            on_gpu=device.type == "cuda")
     built = build_model(saved.model, cfg.attention, cfg.parallel,
-                        vocab_size=tokenizer.vocab_size,
+                        vocab_size=checkpoint_vocab(ckpt, Checkpoint(ckpt), tokenizer.vocab_size,
+                                                    spec),
                         max_sequence_length=max(cfg.eval.lengths), options=options)
     load_model_weights(ckpt, built.gpt)
     model = Float16Module(built.config, built.gpt) if options.bf16 else built.gpt
@@ -145,6 +160,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     saved.model = with_rope_overrides(cfg.model, saved.model, typed_model_keys(_overrides()),
                                       trained_length, max(cfg.eval.lengths))
     check_model(saved.model, cfg.attention, cfg.parallel)
+    saved.data = _eval_data(cfg, saved)
     device = resolve_device(cfg.trainer.device)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
     try:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from ckpt.inspect import MODEL_WEIGHT
-from ckpt.load import load_model_weights
+from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from trainer.errors import UserError
@@ -30,23 +30,41 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def real_vocab(ckpt: Checkpoint) -> int:
+    """The model's vocabulary without padding: an imported model's `vocab_size`, the one a
+    trainer run recorded (`extra.vocab_size`), else the embedding rows."""
+    return ((ckpt.extra.get("hf_source") or {}).get("vocab_size") or ckpt.extra.get("vocab_size")
+            or ckpt.tensors[MODEL_WEIGHT].shape[0])
+
+
+def checkpoint_vocab(path: Path, ckpt: Checkpoint, tokenizer_vocab: int, tokenizer: str) -> int:
+    """The vocabulary to build the checkpoint's model with: its embedding rows (the padded
+    vocabulary), if the tokenizer's ids fit the model's real vocabulary (`real_vocab`); refused
+    naming both sizes otherwise."""
+    rows = ckpt.tensors[MODEL_WEIGHT].shape[0]
+    real = real_vocab(ckpt)
+    if tokenizer_vocab > real:
+        what = f"a vocabulary of {real}" + (f" ({rows} rows with padding)" if rows != real else "")
+        raise UserError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens; the "
+                         f"checkpoint {path} has {what}: use the model's own tokenizer "
+                         "(data.tokenizer=HF_DIR)")
+    return rows
+
+
 class FineTuneStart:
     """A model-only checkpoint to start from (see the module docstring)."""
 
     def __init__(self, path: Path, ckpt: Checkpoint) -> None:
         self.path = path
-        self.rows = ckpt.tensors[MODEL_WEIGHT].shape[0]  # the padded vocabulary
+        self.ckpt = ckpt
+        self.real_vocab = real_vocab(ckpt)  # recorded again by the fine-tune's checkpoints
 
     def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
         """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""
-        if tokenizer_vocab > self.rows:
-            raise UserError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens, more "
-                             f"than the checkpoint {self.path} has rows ({self.rows}); use the "
-                             "model's own tokenizer (data.tokenizer=HF_DIR)")
-        return self.rows
+        return checkpoint_vocab(self.path, self.ckpt, tokenizer_vocab, tokenizer)
 
     def load(self, model: torch.nn.Module) -> None:
-        load_model_weights(self.path, model)
+        load_fine_tune_start(self.path, model)
 
 
 def adopt_saved_model(cfg: DictConfig) -> FineTuneStart | None:

@@ -7,6 +7,7 @@ on-disk caches), `encode`, `encode_batch`, `encode_arrays` and `decode`.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -103,14 +104,34 @@ class JsonTokenizer:
                                 skip_special_tokens=False)
 
 
+DEFAULT_EOD = "<|endoftext|>"
+
+
+def hf_eos_token(tokenizer_json: Path) -> str | None:
+    """The end-of-sequence token a Hugging Face model directory declares: `eos_token` of the
+    `tokenizer_config.json` beside its tokenizer.json (a string, or an AddedToken dict with
+    "content"), e.g. Llama 3's `<|end_of_text|>` or Qwen2's `<|endoftext|>`; None without one."""
+    config = tokenizer_json.parent / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        eos = json.loads(config.read_text()).get("eos_token")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config}: not JSON ({e})") from None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
 def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:
     """"byte" -> ByteTokenizer; a path ending in .json, or a directory holding tokenizer.json
-    (a Hugging Face model directory), -> JsonTokenizer."""
+    (a Hugging Face model directory), -> JsonTokenizer. The end-of-document token is the model's
+    own `eos_token` (tokenizer_config.json beside tokenizer.json) when it declares one, else
+    `<|endoftext|>`; either way a new id only if the vocabulary lacks it."""
     if spec == "byte":
         return ByteTokenizer()
-    if Path(spec).is_dir() and (Path(spec) / "tokenizer.json").is_file():
-        return JsonTokenizer(Path(spec) / "tokenizer.json")
-    if spec.endswith(".json"):
-        return JsonTokenizer(spec)
-    raise UserError(f"unknown tokenizer {spec!r}: expected 'byte' or a path to a "
-                     "`tokenizers` JSON file ending in .json")
+    path = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+    if path.suffix == ".json":
+        return JsonTokenizer(path, hf_eos_token(path) or DEFAULT_EOD)
+    raise UserError(f"unknown tokenizer {spec!r}: expected 'byte', a `tokenizers` JSON file "
+                     "ending in .json or a Hugging Face model directory holding tokenizer.json")

@@ -118,6 +118,7 @@ class Trainer:
         tokenizer = self._setup_data()
         vocab = tokenizer.vocab_size
         self._setup_model(start.vocab_size(vocab, cfg.data.tokenizer) if start else vocab)
+        self.real_vocab = start.real_vocab if start else vocab  # saved for `ckpt export-hf`
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
@@ -189,6 +190,7 @@ class Trainer:
         apply_optimizer_settings(self.optimizer, self.scheduler, self.cfg)
         self.step = extra["step"]
         self.consumed_samples = extra["consumed_samples"]
+        self.real_vocab = extra.get("vocab_size", self.real_vocab)
         return extra.get("wandb_id")
 
     def train_step(self) -> tuple[float, float]:
@@ -225,6 +227,7 @@ class Trainer:
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "tp": self.topo.tp,
+            "vocab_size": self.real_vocab,  # without padding
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
             "wandb_id": self.metrics.wandb_id,
         }

@@ -1,5 +1,5 @@
-"""`python -m ckpt reshape` interrupted by a signal to its parent process only: it stops its
-worker ranks, removes its temporary output and exits non-zero within seconds."""
+"""`python -m ckpt reshape` and `import-hf` interrupted by a signal to their parent process only:
+each stops its worker ranks, removes its temporary output and exits non-zero within seconds."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def workers_started(proc: subprocess.Popen, count: int, timeout: float = 120) ->
     """The processes of `proc`'s tree once `count` spawned workers are running."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "reshape ended before its workers could be interrupted"
+        assert proc.poll() is None, "the command ended before its workers could be interrupted"
         try:
             tree = psutil.Process(proc.pid).children(recursive=True)
             if sum("spawn_main" in " ".join(p.cmdline()) for p in tree) >= count:
@@ -43,13 +43,22 @@ def workers_started(proc: subprocess.Popen, count: int, timeout: float = 120) ->
     raise TimeoutError("the workers did not start")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_reshape_parent_stops_everything_and_keeps_nothing(
-        root: Path, tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.ckpt.hf_models import save_hf
+
+    return save_hf(tmp_path_factory.mktemp("hf") / "hf", "llama", tied=False)
+
+
+@pytest.mark.parametrize("command, sig", [("reshape", signal.SIGINT), ("reshape", signal.SIGTERM),
+                                          ("import-hf", signal.SIGTERM)])
+def test_a_signal_to_the_parent_stops_everything_and_keeps_nothing(
+        request: pytest.FixtureRequest, tmp_path: Path, command: str,
+        sig: signal.Signals) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "ckpt", "reshape", str(root), str(out / "dst"), "--target-tp",
-           "2"]
+    src = request.getfixturevalue("root" if command == "reshape" else "hf_dir")
+    cmd = [sys.executable, "-m", "ckpt", command, str(src), str(out / "dst"), "--target-tp", "2"]
     # Its own session: the signal reaches the parent only, not a terminal's process group.
     proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

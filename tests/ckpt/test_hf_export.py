@@ -13,8 +13,10 @@ from safetensors.torch import save_file
 from ckpt.__main__ import main
 from ckpt.hf_export import export_hf
 from ckpt.hf_import import import_hf
+from tests.ckpt import hf_models
 from tests.ckpt.hf_models import VOCAB, hf_logits, save_hf
 
+hf_imported = hf_models.hf_imported  # the shared fixture
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
 
 
@@ -26,11 +28,10 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_export_import_export_is_bitwise(tmp_path: Path) -> None:
-    hf = save_hf(tmp_path / "hf", "llama", tied=False)
-    import_hf(hf, tmp_path / "ckpt", 2)
+def test_export_import_export_is_bitwise(tmp_path: Path, hf_imported) -> None:
+    hf, imported = hf_imported("llama", False, 2)
     # From TP=2, sharded (an index) by a small shard limit: the next import reads an index.
-    export_hf(tmp_path / "ckpt", tmp_path / "out1", max_shard_bytes=100_000)
+    export_hf(imported, tmp_path / "out1", max_shard_bytes=100_000)
     assert (tmp_path / "out1" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "out1").glob("*.safetensors"))) > 1
     torch.testing.assert_close(hf_logits(tmp_path / "out1", TOKENS), hf_logits(hf, TOKENS),
@@ -90,3 +91,34 @@ def test_bad_input_is_refused_naming_the_file(tmp_path: Path, capsys, damage) ->
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err, err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_trainer_checkpoints_export_their_real_vocabulary_and_a_gate_is_refused(
+        tmp_path: Path, run_training, hf_imported, capsys) -> None:
+    """A byte-tokenizer run exports 257 rows; a fine-tune of an imported model (on its own
+    tokenizer) exports the model's vocabulary, loads in transformers and copies the tokenizer;
+    a head-gated fine-tune is refused, naming the setting."""
+    from transformers import AutoModelForCausalLM
+
+    run_training(["trainer.max_steps=2", "trainer.save_interval=2"], name="byte")
+    export_hf(tmp_path / "byte" / "checkpoints", tmp_path / "byte_hf")
+    assert json.loads((tmp_path / "byte_hf" / "config.json").read_text())["vocab_size"] == 257
+    assert tensors(tmp_path / "byte_hf")["model.embed_tokens.weight"].shape[0] == 257
+
+    hf, imported = hf_imported("qwen2", True)
+    run_training([f"checkpoint.load={imported}", f"data.tokenizer={hf}", "trainer.max_steps=2",
+                  "trainer.save_interval=2"], name="ft")
+    export_hf(tmp_path / "ft" / "checkpoints", tmp_path / "ft_hf")
+    assert {k: v.shape for k, v in tensors(tmp_path / "ft_hf").items()} == \
+        {k: v.shape for k, v in tensors(hf).items()}
+    assert (tmp_path / "ft_hf" / "tokenizer.json").read_bytes() == \
+        (hf / "tokenizer.json").read_bytes()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ft_hf").config.vocab_size == VOCAB
+
+    run_training([f"checkpoint.load={imported}", "+attention=head_gate", "trainer.max_steps=2",
+                  "trainer.save_interval=2"], name="gated")
+    capsys.readouterr()
+    assert main(["export-hf", str(tmp_path / "gated" / "checkpoints"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot export") and "attention.head_wise_attn_gate" in err, err
+    assert not (tmp_path / "x").exists()

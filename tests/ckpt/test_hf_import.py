@@ -7,39 +7,59 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.hf_import import import_hf
 from ckpt.load import load_model_weights
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from models.gpt import build_model
 from models.schema import AttentionConfig, ParallelConfig
-from tests.ckpt.hf_models import VOCAB, hf_logits, save_hf
+from parallel.distributed import initialize_parallel, shutdown
+from tests.ckpt import hf_models
+from tests.ckpt.hf_models import VOCAB, hf_logits
 
+hf_imported = hf_models.hf_imported  # the shared fixture
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
 
 
 def our_logits(root: Path, tokens: torch.Tensor = TOKENS,
                attention: AttentionConfig | None = None) -> torch.Tensor:
-    """Logits of the imported checkpoint, loaded at TP=1 (a TP=2 one reshards on load)."""
+    """Logits of the imported checkpoint, loaded at TP=1 (a TP=2 one reshards on load), in a
+    process group of its own."""
     ckpt = resolve_checkpoint(root)
     saved = Checkpoint(ckpt).config
-    built = build_model(saved.model, attention or AttentionConfig(), ParallelConfig(),
-                        vocab_size=VOCAB, max_sequence_length=tokens.shape[1])
-    load_model_weights(ckpt, built.gpt)
-    with torch.no_grad():
-        out = built.gpt.eval()(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
+    try:
+        built = build_model(saved.model, attention or AttentionConfig(), ParallelConfig(),
+                            vocab_size=VOCAB, max_sequence_length=tokens.shape[1])
+        load_model_weights(ckpt, built.gpt)
+        with torch.no_grad():
+            out = built.gpt.eval()(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    finally:
+        shutdown()
     return out[..., :VOCAB]
 
 
 @pytest.mark.parametrize("family, tied, tp", [
     ("llama", False, 1), ("llama", False, 2), ("qwen2", True, 1), ("qwen2", False, 2),
-    ("mistral", True, 1),
+    ("mistral", True, 1), ("llama-yarn", True, 1),
 ])
-def test_imported_logits_match_transformers(single_process, tmp_path: Path, family: str,
-                                            tied: bool, tp: int) -> None:
-    hf = save_hf(tmp_path / "hf", family, tied)
-    import_hf(hf, tmp_path / "ckpt", tp)
-    extra = Checkpoint(resolve_checkpoint(tmp_path / "ckpt")).extra
+def test_imported_logits_match_transformers(hf_imported, family: str, tied: bool,
+                                            tp: int) -> None:
+    hf, root = hf_imported(family, tied, tp)
+    extra = Checkpoint(resolve_checkpoint(root)).extra
     assert extra["model_only"] and extra["tp"] == tp and extra["hf_source"]["vocab_size"] == VOCAB
-    diff = (our_logits(tmp_path / "ckpt") - hf_logits(hf, TOKENS)).abs().max().item()
+    diff = (our_logits(root) - hf_logits(hf, TOKENS)).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+def test_the_imported_run_config_is_read_by_the_ckpt_tools(hf_imported, tmp_path: Path,
+                                                           capsys) -> None:
+    """The partial run config import-hf saves (ckpt/hf_import.py says why it is enough) works
+    for inspect and reshape; the trainer, trainer.eval and export-hf read it in
+    tests/trainer/test_init_from.py, test_hf_tokenizer.py and tests/ckpt/test_hf_export.py."""
+    from ckpt.__main__ import main
+
+    _, root = hf_imported("qwen2", True)
+    assert main(["inspect", str(root)]) == 0
+    assert main(["reshape", str(root), str(tmp_path / "tp2"), "--target-tp", "2",
+                 "--dry-run"]) == 0
+    assert "dry run" in capsys.readouterr().out
