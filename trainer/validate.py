@@ -184,9 +184,12 @@ def _check_data(d: DictConfig) -> None:
         if missing:
             raise UserError(f"data.path={d.path}: {', '.join(missing)} not found; build it with "
                             "`python -m trainer.build_data`")
-    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
-        raise UserError(f"data.tokenizer={d.tokenizer}: no such file; give 'byte' or a "
-                        "`tokenizers` JSON file")
+    tokenizer = Path(d.tokenizer)
+    if d.tokenizer != "byte" and not (tokenizer.is_file()
+                                      or (tokenizer / "tokenizer.json").is_file()):
+        raise UserError(f"data.tokenizer={d.tokenizer}: no such file; give 'byte', a "
+                        "`tokenizers` JSON file or a Hugging Face model directory holding "
+                        "tokenizer.json")
 
 
 def _at_least(node: DictConfig, key: str, low: int, why: str = "", prefix: str = "trainer"
