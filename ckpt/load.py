@@ -23,9 +23,8 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from ckpt.reader import Checkpoint, CheckpointError
-from ckpt.state import rng_key, set_rng_state, training_state
+from ckpt.state import chunk_list, load_model_state, rng_key, set_rng_state, training_state
 from models.gpt import transformer_config
-from parallel.distributed import unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +79,13 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
         raise CheckpointError(f"{ckpt_dir} holds model weights only (written by `python -m ckpt "
                               "reshape --model-only`): there is no optimizer state to resume from")
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    with_rng = any(key.startswith(rng_key(tp) + "/") for key in ckpt.objects)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    with_rng = any(key.startswith(rng_key(tp, pp) + "/") for key in ckpt.objects)
     template = training_state(model, optimizer, is_loading=True, with_rng=with_rng)
-    mismatches = architecture_mismatches(ckpt, unwrap_model(model).config)
+    mismatches = architecture_mismatches(ckpt, chunk_list(model)[0].config)
     mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None)
     loaded = _load_if_fits(ckpt_dir, template, mismatches)
-    unwrap_model(model).load_state_dict(loaded["model"])
+    load_model_state(model, loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if "scheduler" in loaded:  # not in model-only checkpoints
@@ -93,7 +93,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     if with_rng:
         set_rng_state(loaded["rng_state"])
     else:
-        log.info("the checkpoint holds no RNG states for TP=%d: they start fresh", tp)
+        log.info("the checkpoint holds no RNG states for TP=%d PP=%d: they start fresh", tp, pp)
     return extra
 
 
@@ -104,7 +104,7 @@ def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> d
     ckpt = open_checked(ckpt_dir)
     template = training_state(model, None, is_loading=True, with_rng=False)
     mismatches = template_mismatches(ckpt, template, with_optimizer=False)
-    unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
+    load_model_state(model, _load_if_fits(ckpt_dir, template, mismatches)["model"])
     return ckpt.extra
 
 
@@ -139,8 +139,16 @@ def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:
 def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *,
                         with_optimizer: bool) -> list[str]:
     """Tensors and objects a load of `template` would ask for that the checkpoint lacks or holds
-    at another global shape, and model (and optimizer) tensors the template would leave behind."""
+    at another global shape, and model (and optimizer) tensors the template would leave behind.
+    Collective when several processes load: under pipeline parallelism each stage asks for its
+    own tensors, and together the stages ask for every one."""
     tensors, objects = expected_entries(template)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (tensors, objects))
+        for rank_tensors, rank_objects in everyone:
+            tensors.update(rank_tensors)
+            objects |= rank_objects
     problems = []
     for key, shape in sorted(tensors.items()):
         info = ckpt.tensors.get(key)
