@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from parallel.cpu_mode import enable_cpu_mode
+from parallel.torch_adam import enable_torch_adam_checkpoints
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def resolve_device(choice: str) -> torch.device:
 
 def init_process_group(device: torch.device) -> None:
     """Join torchrun's group, or form a group of one (megatron always needs a process group)."""
+    enable_torch_adam_checkpoints()
     if dist.is_initialized():
         return
     if device.type == "cpu":
