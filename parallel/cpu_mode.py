@@ -4,8 +4,9 @@ megatron-core has no CPU path: it allocates on `torch.cuda.current_device()`, ke
 tracker in CUDA generator states, calls `torch.cuda.synchronize()` while checkpointing, creates a
 few optimizer and pipeline-schedule scalars with `device="cuda"`, under context parallelism
 moves pinned RoPE slice indices to CUDA, under pipeline parallelism moves the tied embedding to
-CUDA, and its distributed optimizer accepts only parameters whose `Tensor.type()` names a CUDA
-type and gathers its checkpoint state through `.cuda()` unless told to use gloo.
+CUDA and pairs pipeline messages in an order gloo does not keep, and its distributed optimizer
+accepts only parameters whose `Tensor.type()` names a CUDA type and gathers its checkpoint state
+through `.cuda()` unless told to use gloo.
 `enable_cpu_mode()` redirects exactly those to the CPU.
 It does nothing when CUDA is present, so the GPU path is megatron's own, untouched.
 """
@@ -101,6 +102,33 @@ def _gather_over_gloo(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# gloo matches a send to a receive from the same peer by tag and order; tag each message by its
+# direction, activations forward (to the next stage) and gradients backward.
+_FORWARD, _BACKWARD = 1, 2
+
+
+def _tagged_p2p_ops(*, tensor_send_prev: torch.Tensor | None,
+                    tensor_recv_prev: torch.Tensor | None,
+                    tensor_send_next: torch.Tensor | None,
+                    tensor_recv_next: torch.Tensor | None, group: Any,
+                    prev_pipeline_rank: int, next_pipeline_rank: int) -> list:
+    """megatron's `_batched_p2p_ops` with a tag per direction.
+
+    With two stages and interleaving the previous and the next stage are the same process, and
+    one batch both sends it an activation and a gradient of the same shape; untagged, gloo pairs
+    them in posting order, which differs between the two sides, and swaps them silently.
+    """
+    dist = torch.distributed
+    ops = [dist.P2POp(op, tensor, peer, group, tag)
+           for op, tensor, peer, tag in (
+               (dist.isend, tensor_send_prev, prev_pipeline_rank, _BACKWARD),
+               (dist.irecv, tensor_recv_prev, prev_pipeline_rank, _FORWARD),
+               (dist.isend, tensor_send_next, next_pipeline_rank, _FORWARD),
+               (dist.irecv, tensor_recv_next, next_pipeline_rank, _BACKWARD))
+           if tensor is not None]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def enable_cpu_mode() -> bool:
     """Patch megatron-core for CPU execution when CUDA is absent. Returns True if patched."""
     global _enabled
@@ -123,6 +151,7 @@ def enable_cpu_mode() -> bool:
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.grad_scaler as grad_scaler
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.utils as mcore_utils
@@ -134,6 +163,7 @@ def enable_cpu_mode() -> bool:
         module.torch = _CudaToCpuTorch("torch")  # type: ignore[attr-defined]
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
     rotary.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    p2p._batched_p2p_ops = _tagged_p2p_ops
     optimizer_class = distrib_optimizer.DistributedOptimizer
     optimizer_class.__init__ = _as_if_on_cuda(optimizer_class.__init__)  # type: ignore
     LanguageModule.setup_embeddings_and_output_layer = _as_if_on_cuda(  # type: ignore
