@@ -78,6 +78,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     if optimizer is not None and extra.get("model_only"):
         raise CheckpointError(f"{ckpt_dir} holds model weights only (written by `python -m ckpt "
                               "reshape --model-only`): there is no optimizer state to resume from")
+    _check_optimizer_format(ckpt, optimizer)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     with_rng = any(key.startswith(rng_key(tp, pp) + "/") for key in ckpt.objects)
@@ -95,6 +96,21 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     else:
         log.info("the checkpoint holds no RNG states for TP=%d PP=%d: they start fresh", tp, pp)
     return extra
+
+
+def _check_optimizer_format(ckpt: Checkpoint, optimizer: Any) -> None:
+    """The distributed optimizer stores its state in another format than the plain one (master
+    weights as `optimizer.state.param.*`, other common state); refuse a switch in one line."""
+    saved = ckpt.extra.get("layout", {}).get("distributed_optimizer")
+    if optimizer is None or saved is None:
+        return
+    current = any(hasattr(opt, "gbuf_ranges")  # megatron's DistributedOptimizer
+                  for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved != current:
+        raise CheckpointError(
+            f"{ckpt.path} was saved with parallel.distributed_optimizer={str(saved).lower()}; "
+            f"resume with the same setting (model and optimizer state reshard across tp, pp, "
+            f"dp, but not across the two optimizer formats)")
 
 
 def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
