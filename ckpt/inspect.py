@@ -32,6 +32,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "step": ckpt.step,
         "consumed_samples": ckpt.extra.get("consumed_samples"),
         "tp": ckpt.tp,
+        "layout": ckpt.extra.get("layout", {"tp": ckpt.tp}),
         "model_only": bool(ckpt.extra.get("model_only", False)),
         "weights_dtype": str(weights.dtype).removeprefix("torch.") if weights else None,
         "model": OmegaConf.to_container(cfg.model),
@@ -67,6 +68,8 @@ def print_description(d: dict[str, Any]) -> None:
     print(f"checkpoint {d['path']}")
     print(f"  step {d['step']} (consumed samples {d['consumed_samples']}), saved at TP={d['tp']}, "
           f"weights {d['weights_dtype']}{', model only' if d['model_only'] else ''}")
+    layout = d["layout"]
+    print("  layout " + " ".join(f"{k}={v}" for k, v in layout.items()))
     print(f"  on disk {human_bytes(d['bytes_on_disk'])}, tensors {human_bytes(d['tensor_bytes'])}")
     print(f"  model {model['name']}: {_settings(model)}")
     print(f"  attention {attention['kind']}: {_settings(attention)}")

@@ -26,9 +26,8 @@ from megatron.core.dist_checkpointing.mapping import (
 
 from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
 from ckpt.reader import Checkpoint, CheckpointError
-from ckpt.state import rng_key, set_rng_state, training_state
+from ckpt.state import chunk_list, load_model_state, rng_key, set_rng_state, training_state
 from models.gpt import transformer_config
-from parallel.distributed import unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +88,15 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     if optimizer is not None and extra.get("model_only"):
         raise CheckpointError(f"{ckpt_dir} holds model weights only (written by `python -m ckpt "
                               "reshape --model-only`): there is no optimizer state to resume from")
+    _check_optimizer_format(ckpt, optimizer)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    with_rng = any(key.startswith(rng_key(tp) + "/") for key in ckpt.objects)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    with_rng = any(key.startswith(rng_key(tp, pp) + "/") for key in ckpt.objects)
     template = training_state(model, optimizer, is_loading=True, with_rng=with_rng)
-    mismatches = architecture_mismatches(ckpt, unwrap_model(model).config)
+    mismatches = architecture_mismatches(ckpt, chunk_list(model)[0].config)
     mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None)
     loaded = _load_if_fits(ckpt_dir, template, mismatches)
-    unwrap_model(model).load_state_dict(loaded["model"])
+    load_model_state(model, loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if "scheduler" in loaded:  # not in model-only checkpoints
@@ -103,8 +104,23 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     if with_rng:
         set_rng_state(loaded["rng_state"])
     else:
-        log.info("the checkpoint holds no RNG states for TP=%d: they start fresh", tp)
+        log.info("the checkpoint holds no RNG states for TP=%d PP=%d: they start fresh", tp, pp)
     return extra
+
+
+def _check_optimizer_format(ckpt: Checkpoint, optimizer: Any) -> None:
+    """The distributed optimizer stores its state in another format than the plain one (master
+    weights as `optimizer.state.param.*`, other common state); refuse a switch in one line."""
+    saved = ckpt.extra.get("layout", {}).get("distributed_optimizer")
+    if optimizer is None or saved is None:
+        return
+    current = any(hasattr(opt, "gbuf_ranges")  # megatron's DistributedOptimizer
+                  for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved != current:
+        raise CheckpointError(
+            f"{ckpt.path} was saved with parallel.distributed_optimizer={str(saved).lower()}; "
+            f"resume with the same setting (model and optimizer state reshard across tp, pp, "
+            f"dp, but not across the two optimizer formats)")
 
 
 def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
@@ -114,7 +130,7 @@ def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> d
     ckpt = open_checked(ckpt_dir)
     template = training_state(model, None, is_loading=True, with_rng=False)
     mismatches = template_mismatches(ckpt, template, with_optimizer=False)
-    unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
+    load_model_state(model, _load_if_fits(ckpt_dir, template, mismatches)["model"])
     return ckpt.extra
 
 
@@ -139,14 +155,19 @@ def load_fine_tune_start(ckpt_dir: str | os.PathLike, model: torch.nn.Module) ->
         raise CheckpointError(f"{ckpt_dir} is a training checkpoint, not a model-only one: "
                               "resume from it instead")
     template = training_state(model, None, is_loading=True, with_rng=False)
-    new_gate = (unwrap_model(model).config.head_wise_attn_gate
+    chunks = chunk_list(model)
+    new_gate = (chunks[0].config.head_wise_attn_gate
                 and not any(key.endswith("._gate") for key in ckpt.tensors))
     if new_gate:
-        template["model"] = {key: _qkv_only(value) if key.endswith(_GATED) else value
-                             for key, value in template["model"].items()}
+        def qkv_only(state: dict[str, Any]) -> dict[str, Any]:
+            return {key: _qkv_only(value) if key.endswith(_GATED) else value
+                    for key, value in state.items()}
+
+        template["model"] = (qkv_only(template["model"]) if len(chunks) == 1 else
+                             {name: qkv_only(state) for name, state in template["model"].items()})
         log.info("%s has no head gate: the gate rows keep their initial values", ckpt_dir)
     mismatches = template_mismatches(ckpt, template, with_optimizer=False)
-    unwrap_model(model).load_state_dict(_load_if_fits(ckpt_dir, template, mismatches)["model"])
+    load_model_state(model, _load_if_fits(ckpt_dir, template, mismatches)["model"])
     return ckpt.extra
 
 
@@ -200,8 +221,16 @@ def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:
 def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *,
                         with_optimizer: bool) -> list[str]:
     """Tensors and objects a load of `template` would ask for that the checkpoint lacks or holds
-    at another global shape, and model (and optimizer) tensors the template would leave behind."""
+    at another global shape, and model (and optimizer) tensors the template would leave behind.
+    Collective when several processes load: under pipeline parallelism each stage asks for its
+    own tensors, and together the stages ask for every one."""
     tensors, objects = expected_entries(template)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (tensors, objects))
+        for rank_tensors, rank_objects in everyone:
+            tensors.update(rank_tensors)
+            objects |= rank_objects
     problems = []
     for key, shape in sorted(tensors.items()):
         info = ckpt.tensors.get(key)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from models.config import LongContextConfig
@@ -42,11 +43,18 @@ class BuildOptions:
 
 @dataclass
 class BuiltModel:
-    """A freshly built model and what its callers need beside it."""
+    """A freshly built model (this rank's pipeline chunks) and what its callers need beside it."""
 
-    gpt: GPTModel
+    chunks: list[GPTModel]  # one per virtual pipeline stage; one without interleaving
     config: LongContextConfig
     vocab_size: int  # the padded vocabulary: rows of the embedding and output layer
+
+    @property
+    def gpt(self) -> GPTModel:
+        """The model of a run without interleaved pipeline stages (its one chunk)."""
+        if len(self.chunks) != 1:
+            raise ValueError(f"this model has {len(self.chunks)} pipeline chunks; use .chunks")
+        return self.chunks[0]
 
 
 def ffn_hidden_size(model: ModelConfig) -> int:
@@ -122,7 +130,8 @@ def rope_scaling(model: ModelConfig) -> RopeScaling:
 
 
 def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: int = 1,
-                       cp: int = 1, sequence_parallel: bool = False, bf16: bool = False,
+                       cp: int = 1, pp: int = 1, vpp: int | None = None,
+                       sequence_parallel: bool = False, bf16: bool = False,
                        on_gpu: bool = False, recompute: str = "none",
                        recompute_modules: Sequence[str] = (), recompute_num_layers: int = 0,
                        recompute_keep_attention: bool = False,
@@ -149,6 +158,10 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        # The dtype of the activations sent between stages (megatron asks for it under PP).
+        pipeline_dtype=(torch.bfloat16 if bf16 else torch.float32) if pp > 1 else None,
         sequence_parallel=sequence_parallel,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -183,20 +196,28 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
 
 
 def build_gpt(config: LongContextConfig, vocab_size: int, max_sequence_length: int,
-              untie_embeddings: bool = False) -> GPTModel:
-    """GPTModel with RoPE and our per-layer specs; `vocab_size` is the padded size.
+              untie_embeddings: bool = False, vp_stage: int | None = None) -> GPTModel:
+    """GPTModel with RoPE and our per-layer specs for this rank's pipeline stage (model chunk
+    `vp_stage` of it when interleaved); `vocab_size` is the padded size. The first stage holds
+    the embedding, the last the final norm and output layer (tied to the embedding across the
+    two, as megatron ties them).
 
     megatron's RotaryEmbedding computes plain (or its own llama3) frequencies, so ours
     (models/rope_scaling.py) replace them before the first forward caches any table; the
     attention factor is applied by the core attentions (models/attention/core.py)."""
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config),
+        transformer_layer_spec=block_spec(config, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
         share_embeddings_and_output_weights=not untie_embeddings,
         position_embedding_type="rope",
         rotary_base=config.rope_theta,
+        vp_stage=vp_stage,
     )
     rotary = gpt.rotary_pos_emb
     inv_freq, _ = rope_frequencies(config.kv_channels, config.rope_theta, config.rope_scaling,
@@ -208,13 +229,20 @@ def build_gpt(config: LongContextConfig, vocab_size: int, max_sequence_length: i
 def build_model(model: ModelConfig, attention: AttentionConfig, parallel: ParallelConfig, *,
                 vocab_size: int, max_sequence_length: int,
                 options: BuildOptions = BuildOptions()) -> BuiltModel:
-    """The GPT for a model shape, attention variant and parallel layout, on the GPU when
-    `options.on_gpu`. `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it
-    is padded as every TP size pads it, so checkpoints keep one embedding shape."""
+    """This rank's part of the GPT for a model shape, attention variant and parallel layout (its
+    pipeline stage: `parallel.vpp` chunks when interleaved, else one), on the GPU when
+    `options.on_gpu`. megatron's parallel state must be initialised for `parallel`.
+    `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it is padded as
+    every TP size pads it, so checkpoints keep one embedding shape."""
     vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
-    config = transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp,
-                                sequence_parallel=parallel.sequence_parallel, **asdict(options))
-    gpt = build_gpt(config, vocab, max_sequence_length, model.untie_embeddings)
+    vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
+    config = transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp, pp=parallel.pp,
+                                vpp=vpp, sequence_parallel=parallel.sequence_parallel,
+                                **asdict(options))
+    stages = [None] if vpp is None else list(range(vpp))
+    chunks = [build_gpt(config, vocab, max_sequence_length, model.untie_embeddings, vp_stage=v)
+              for v in stages]
     if options.on_gpu:
-        gpt.cuda()
-    return BuiltModel(gpt, config, vocab)
+        for chunk in chunks:
+            chunk.cuda()
+    return BuiltModel(chunks, config, vocab)

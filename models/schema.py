@@ -64,9 +64,11 @@ class AttentionConfig:
 
 @dataclass
 class ParallelConfig:
-    """Model parallelism; data parallelism takes the remaining ranks."""
+    """Model parallelism; data parallelism takes the remaining ranks (world / (tp x cp x pp))."""
 
     tp: int = 1
     cp: int = 1
+    pp: int = 1  # pipeline stages (megatron's 1F1B schedule)
+    vpp: int | None = None  # model chunks per stage (interleaved 1F1B); None or 1: no interleaving
     sequence_parallel: bool = False
     distributed_optimizer: bool = False

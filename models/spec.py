@@ -6,7 +6,11 @@ import importlib
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.config import LongContextConfig
@@ -46,17 +50,25 @@ def is_global_layer(config: LongContextConfig, layer_number: int) -> bool:
     return config.attention_kind == "chunked" and interval > 0 and layer_number % interval == 0
 
 
-def block_spec(config: LongContextConfig) -> TransformerBlockSubmodules:
-    """One spec per layer, so layers may differ (chunked attention's global layers), and the
-    block's final norm (megatron adds it only for a single shared layer spec)."""
+def block_spec(config: LongContextConfig,
+               vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """One spec per layer of this pipeline stage (model chunk `vp_stage`), so layers may differ
+    (chunked attention's global layers, numbered globally), and the block's final norm (megatron
+    adds it only for a single shared layer spec, and builds it on the last stage only).
+
+    The slice is megatron's own (`get_gpt_decoder_block_spec` does the same): this stage's layer
+    count and its offset among all layers.
+    """
     local = core_attention_class(config.attention_kind)
     causal = core_attention_class("standard")
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = [
         layer_spec(config, causal if is_global_layer(config, n) else local)
-        for n in range(1, config.num_layers + 1)
+        for n in range(offset + 1, offset + count + 1)
     ]
     # The final norm before the output layer: the same norm the layers use (RMSNorm/LayerNorm).
-    final_norm = specs[0].submodules.input_layernorm
+    final_norm = layer_spec(config, local).submodules.input_layernorm
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
 

@@ -2,14 +2,20 @@
 
 megatron-core has no CPU path: it allocates on `torch.cuda.current_device()`, keeps its RNG
 tracker in CUDA generator states, calls `torch.cuda.synchronize()` while checkpointing, creates a
-few optimizer scalars with `device="cuda"` and, under context parallelism, moves pinned RoPE slice
-indices to CUDA. `enable_cpu_mode()` redirects exactly those to the CPU.
+few optimizer and pipeline-schedule scalars with `device="cuda"`, under context parallelism
+moves pinned RoPE slice indices to CUDA, under pipeline parallelism moves the tied embedding to
+CUDA and pairs pipeline messages in an order gloo does not keep, and its distributed optimizer
+accepts only parameters whose `Tensor.type()` names a CUDA type and gathers its checkpoint state
+through `.cuda()` unless told to use gloo.
+`enable_cpu_mode()` redirects exactly those to the CPU.
 It does nothing when CUDA is present, so the GPU path is megatron's own, untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +61,74 @@ def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int,
     return pieces.index_select(seq_dim, index).flatten(seq_dim, seq_dim + 1)
 
 
+def _as_if_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `fn` while CPU tensors pass megatron's CUDA checks and moves.
+
+    megatron's `DistributedOptimizer.__init__` sorts parameters by `param.type()`
+    ('torch.cuda.FloatTensor', ...) and rejects anything else, and the pipeline's tied embedding
+    is moved with `.cuda()` before its first all-reduce; the maths is the same on the CPU. Only
+    the argument-less `type()` (a query) is renamed and `cuda()` leaves a CPU tensor where it is,
+    and only during the call.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        type_, cuda = torch.Tensor.type, torch.Tensor.cuda
+
+        def type_name(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            result = type_(self, *a, **k)
+            if a or k or self.device.type != "cpu":
+                return result
+            return result.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = type_name  # type: ignore[method-assign]
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type, torch.Tensor.cuda = type_, cuda  # type: ignore[method-assign]
+
+    return wrapper
+
+
+def _gather_over_gloo(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`DistributedOptimizer.get_parameter_state_dp_zero` always on its gloo group: the NCCL-side
+    path moves each shard to CUDA, and on the CPU both groups are gloo ones anyway."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, use_gloo_comm: bool = True, **kwargs: Any) -> Any:
+        return method(self, use_gloo_comm=True, **kwargs)
+
+    return wrapper
+
+
+# gloo matches a send to a receive from the same peer by tag and order; tag each message by its
+# direction, activations forward (to the next stage) and gradients backward.
+_FORWARD, _BACKWARD = 1, 2
+
+
+def _tagged_p2p_ops(*, tensor_send_prev: torch.Tensor | None,
+                    tensor_recv_prev: torch.Tensor | None,
+                    tensor_send_next: torch.Tensor | None,
+                    tensor_recv_next: torch.Tensor | None, group: Any,
+                    prev_pipeline_rank: int, next_pipeline_rank: int) -> list:
+    """megatron's `_batched_p2p_ops` with a tag per direction.
+
+    With two stages and interleaving the previous and the next stage are the same process, and
+    one batch both sends it an activation and a gradient of the same shape; untagged, gloo pairs
+    them in posting order, which differs between the two sides, and swaps them silently.
+    """
+    dist = torch.distributed
+    ops = [dist.P2POp(op, tensor, peer, group, tag)
+           for op, tensor, peer, tag in (
+               (dist.isend, tensor_send_prev, prev_pipeline_rank, _BACKWARD),
+               (dist.irecv, tensor_recv_prev, prev_pipeline_rank, _FORWARD),
+               (dist.isend, tensor_send_next, next_pipeline_rank, _FORWARD),
+               (dist.irecv, tensor_recv_next, next_pipeline_rank, _BACKWARD))
+           if tensor is not None]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def enable_cpu_mode() -> bool:
     """Patch megatron-core for CPU execution when CUDA is absent. Returns True if patched."""
     global _enabled
@@ -74,17 +148,28 @@ def enable_cpu_mode() -> bool:
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
     import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn
     import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.grad_scaler as grad_scaler
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.utils as mcore_utils
+    from megatron.core.models.common.language_module.language_module import LanguageModule
 
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    for module in (mcore_utils, optimizer, clip_grads, grad_scaler):
+    for module in (mcore_utils, optimizer, clip_grads, grad_scaler, schedules):
         module.torch = _CudaToCpuTorch("torch")  # type: ignore[attr-defined]
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
     rotary.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    p2p._batched_p2p_ops = _tagged_p2p_ops
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    optimizer_class.__init__ = _as_if_on_cuda(optimizer_class.__init__)  # type: ignore
+    LanguageModule.setup_embeddings_and_output_layer = _as_if_on_cuda(  # type: ignore
+        LanguageModule.setup_embeddings_and_output_layer)
+    optimizer_class.get_parameter_state_dp_zero = _gather_over_gloo(  # type: ignore
+        optimizer_class.get_parameter_state_dp_zero)
     yarn.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     _enabled = True
     return True

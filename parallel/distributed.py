@@ -13,11 +13,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from parallel.cpu_mode import enable_cpu_mode
+from parallel.torch_adam import enable_torch_adam_checkpoints
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits: global rank and world, its TP, CP and DP coordinates."""
+    """Where this process sits: global rank and world, its TP, CP, DP and PP coordinates."""
 
     device: torch.device
     rank: int
@@ -28,10 +29,17 @@ class Topology:
     dp_rank: int
     cp: int
     cp_rank: int
+    pp: int = 1
+    pp_rank: int = 0
+    vpp: int = 1  # model chunks per pipeline stage
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -49,6 +57,7 @@ def resolve_device(choice: str) -> torch.device:
 
 def init_process_group(device: torch.device) -> None:
     """Join torchrun's group, or form a group of one (megatron always needs a process group)."""
+    enable_torch_adam_checkpoints()
     if dist.is_initialized():
         return
     if device.type == "cpu":
@@ -63,19 +72,29 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1) -> Topology:
+def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1, pp: int = 1,
+                        vpp: int | None = None) -> Topology:
     """Process group, megatron's model-parallel groups and its RNG tracker seeds.
 
-    Ranks are laid out TP fastest, then CP, then DP (megatron's order); data parallelism takes
-    world / (tp * cp) ranks, and the CP ranks of one DP rank read the same batches.
+    Ranks are laid out in megatron's default order tp-cp-ep-dp-pp: TP fastest, then CP, then DP,
+    then PP slowest (global rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))), so
+    a pipeline stage's TP groups stay on one node and stages may span nodes. Data parallelism
+    takes world / (tp * cp * pp) ranks; the CP ranks and pipeline stages of one DP rank read the
+    same batches. `vpp` > 1 interleaves that many model chunks per stage.
     """
     init_process_group(device)
     world = dist.get_world_size()
-    if world % (tp * cp):
-        raise ValueError(f"parallel.tp x parallel.cp ({tp} x {cp}) must divide the number of "
-                         f"processes ({world})")
+    vpp = vpp if vpp and vpp > 1 else None
+    if world % (tp * cp * pp):
+        raise ValueError(f"parallel.tp x parallel.cp x parallel.pp ({tp} x {cp} x {pp}) must "
+                         f"divide the number of processes ({world})")
+    if vpp and pp == 1:
+        raise ValueError(f"parallel.vpp={vpp} interleaves pipeline stages: it needs parallel.pp "
+                         "> 1 (or set parallel.vpp=null)")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             context_parallel_size=cp)
+                                             context_parallel_size=cp,
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
     if cp > 1:
         # NCCL creates a group's communicator at its first collective, which every member must
         # join; chunked attention's CP exchange may leave a rank with nothing to send or receive.
@@ -87,7 +106,8 @@ def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1) -
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         dp=parallel_state.get_data_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(), cp=cp,
-        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(), pp=pp,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(), vpp=vpp or 1,
     )
 
 
@@ -99,7 +119,8 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(model: MegatronModule, *, distributed_optimizer: bool) -> DistributedDataParallel:
+def wrap_model(model: MegatronModule, *, distributed_optimizer: bool,
+               disable_bucketing: bool = False) -> DistributedDataParallel:
     """bf16 cast (megatron's Float16Module) when configured, then megatron's DDP with fp32 grads."""
     if model.config.bf16:
         model = Float16Module(model.config, model)
@@ -108,7 +129,15 @@ def wrap_model(model: MegatronModule, *, distributed_optimizer: bool) -> Distrib
         overlap_grad_reduce=False,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return DistributedDataParallel(model.config, ddp_config, model)
+    return DistributedDataParallel(model.config, ddp_config, model,
+                                   disable_bucketing=disable_bucketing)
+
+
+def wrap_chunks(chunks: list[MegatronModule], *,
+                distributed_optimizer: bool) -> list[DistributedDataParallel]:
+    """`wrap_model` for each pipeline chunk of this rank (megatron buckets only the first)."""
+    return [wrap_model(chunk, distributed_optimizer=distributed_optimizer,
+                       disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
 
 def unwrap_model(model: torch.nn.Module) -> MegatronModule:

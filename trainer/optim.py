@@ -13,9 +13,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from omegaconf import DictConfig
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module, bf16: bool):
+def build_optimizer(cfg: DictConfig, chunks: list[torch.nn.Module], bf16: bool):
     """megatron's Adam (mixed precision with fp32 master weights under bf16; sharded over the
-    data-parallel ranks with `parallel.distributed_optimizer`)."""
+    data-parallel ranks with `parallel.distributed_optimizer`) over this rank's model chunks."""
     t = cfg.trainer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -24,7 +24,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, bf16: bool):
             bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=cfg.parallel.distributed_optimizer,
         ),
-        [model],
+        chunks,
     )
     use_fused_adam(optimizer)  # CUDA only: one pass per step instead of foreach's many
     return optimizer

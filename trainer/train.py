@@ -12,8 +12,6 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.utils import get_batch_on_this_cp_rank
 from omegaconf import DictConfig, OmegaConf
 
 from ckpt.load import load_checkpoint
@@ -22,11 +20,11 @@ from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import BuildOptions, build_model
 from parallel.distributed import (
     Topology,
-    all_reduce_mean,
+    init_process_group,
     initialize_parallel,
     resolve_device,
     shutdown,
-    wrap_model,
+    wrap_chunks,
 )
 from trainer.config import check_known_keys
 from trainer.data import DataIterator, build_datasets, validation_batches
@@ -36,6 +34,7 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
 from trainer.resume import apply_optimizer_settings, resume_point
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
+from trainer.step import check_layout, evaluate, train_step
 from trainer.validate import check_datasets, validate_train
 
 log = logging.getLogger(__name__)
@@ -53,33 +52,6 @@ def _num_microbatches(cfg: DictConfig, dp: int) -> int:
     """Micro-batches per step (`validate_train` checked that they divide evenly)."""
     t = cfg.trainer
     return t.global_batch_size // (t.micro_batch_size * dp)
-
-
-def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-          device: torch.device) -> torch.Tensor:
-    """The micro-batch's mean per-token loss; under context parallelism (CP) this rank's term.
-
-    With CP each rank keeps pieces r and 2N-1-r of every sequence (the layout the CP attention
-    and megatron's RoPE expect) and returns cp x (its loss sum) / (the whole batch's token
-    count): DDP averages gradients over the dp x cp ranks, so the average is the gradient of the
-    batch's mean loss, and the mean of these values over the CP ranks is that loss.
-    """
-    tokens = batch["tokens"].to(device)
-    labels = batch["labels"].to(device)
-    mask = batch["loss_mask"].to(device)
-    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp > 1:
-        local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask,
-                                           "position_ids": positions})
-        tokens, labels, mask, positions = (local[key] for key in (
-            "tokens", "labels", "loss_mask", "position_ids"))
-    # GPTModel returns the per-token cross entropy when given labels: [b, s].
-    per_token = model(tokens, positions, None, labels=labels)
-    count = mask.sum()
-    if cp > 1:
-        dist.all_reduce(count, group=parallel_state.get_context_parallel_group())
-    return (per_token.float() * mask).sum() * cp / count
 
 
 def _memory_gb(device: torch.device) -> float:
@@ -143,7 +115,9 @@ class Trainer:
     def _setup_parallel(self) -> None:
         """Process groups and megatron's parallel state; micro-batches per step."""
         t, p = self.cfg.trainer, self.cfg.parallel
-        self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp)
+        init_process_group(self.device)
+        check_layout(self.cfg, dist.get_world_size())
+        self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp, p.pp, p.vpp)
         self.micro_batches = _num_microbatches(self.cfg, self.topo.dp)
 
     def _setup_data(self):
@@ -169,7 +143,8 @@ class Trainer:
         built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
                             max_sequence_length=t.seq_length, options=options)
         self.model_config, self.vocab_size = built.config, built.vocab_size
-        self.model = wrap_model(built.gpt, distributed_optimizer=cfg.parallel.distributed_optimizer)
+        self.model = wrap_chunks(built.chunks,
+                                 distributed_optimizer=cfg.parallel.distributed_optimizer)
         c = built.config
         self.flops_per_step = t.global_batch_size * training_flops_per_sequence(
             num_layers=c.num_layers, hidden_size=c.hidden_size,
@@ -179,9 +154,10 @@ class Trainer:
             head_wise_gate=cfg.attention.head_wise_attn_gate,
         )
         self.peak = peak_tflops(self.device)
-        log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d cp=%d dp=%d, %s%s",
-                 cfg.model.name, sum(p.numel() for p in built.gpt.parameters()) / 1e6,
-                 cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.dp,
+        log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d cp=%d pp=%d dp=%d,"
+                 " %s%s", cfg.model.name,
+                 sum(p.numel() for c in built.chunks for p in c.parameters()) / 1e6,
+                 cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.pp, self.topo.dp,
                  self.device.type, " bf16" if c.bf16 else " fp32")
 
     def _resume(self, ckpt: Path) -> str | None:
@@ -195,31 +171,17 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over `micro_batches` micro-batches; returns (loss, grad norm)."""
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        total = torch.zeros((), device=self.device)
-        for _ in range(self.micro_batches):
-            loss = _loss(self.model, next(self.data), self.device) / self.micro_batches
-            loss.backward()
-            total += loss.detach()
-        self.model.finish_grad_sync()
-        _, grad_norm, _ = self.optimizer.step()
+        batches = [next(self.data) for _ in range(self.micro_batches)]
+        loss, grad_norm = train_step(self.model, self.optimizer, batches,
+                                     self.cfg.trainer.seq_length, self.device)
         self.scheduler.step(increment=1)
         self.consumed_samples += self.cfg.trainer.global_batch_size
-        # Over the CP ranks too: each holds its share of the loss (see _loss).
-        loss = all_reduce_mean(total, parallel_state.get_data_parallel_group(
-            with_context_parallel=True))
-        return loss.item(), float(grad_norm or 0.0)
+        return loss, grad_norm
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
         batches = validation_batches(self.valid_ds, self.cfg.trainer.micro_batch_size,
                                      self.cfg.trainer.eval_batches)
-        losses = torch.stack([_loss(self.model, b, self.device) for b in batches])
-        return all_reduce_mean(losses.mean(), parallel_state.get_data_parallel_group(
-            with_context_parallel=True)).item()
+        return evaluate(self.model, list(batches), self.cfg.trainer.seq_length, self.device)
 
     def save(self) -> Path:
         root = checkpoints_root(self.cfg, self.run_dir)
@@ -228,6 +190,9 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "tp": self.topo.tp,
             "vocab_size": self.real_vocab,  # without padding
+            "layout": {"tp": self.topo.tp, "pp": self.topo.pp, "vpp": self.topo.vpp,
+                       "cp": self.topo.cp, "dp": self.topo.dp,
+                       "distributed_optimizer": bool(self.cfg.parallel.distributed_optimizer)},
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
             "wandb_id": self.metrics.wandb_id,
         }

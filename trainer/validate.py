@@ -83,15 +83,6 @@ def check_datasets(train_len: int, valid_len: int, cfg: DictConfig) -> None:
             "trainer.seq_length, or set trainer.eval_interval=0 to train without evaluation")
 
 
-def check_distributed_optimizer(distributed_optimizer: bool, device: str) -> None:
-    """megatron's distributed optimizer allocates its buffers on the GPU (the one place that
-    refuses it on CPU: lift it here when CPU mode supports it)."""
-    if distributed_optimizer and device == "cpu":
-        raise UserError("parallel.distributed_optimizer=true needs CUDA (megatron shards the "
-                        "optimizer state in GPU buffers); set parallel.distributed_optimizer="
-                        "false on CPU")
-
-
 def check_attention_selection(overrides: list[str]) -> None:
     """At most one core-attention kind among the `attention` group options on the command line
     (`'+attention=[dca,chunked]'` would otherwise merge both and let the last kind win)."""
@@ -167,7 +158,6 @@ def _check_parallel(p: DictConfig, seq_length: int, device: str,
     if world % (p.tp * p.cp):
         raise UserError(f"parallel.tp x parallel.cp ({p.tp} x {p.cp}) must divide the number of "
                         f"ranks ({world}); change them or torchrun's --nproc-per-node")
-    check_distributed_optimizer(p.distributed_optimizer, device)
     return world // (p.tp * p.cp)
 
 

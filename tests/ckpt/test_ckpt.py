@@ -58,7 +58,7 @@ def ckpt_main(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]
 
 
 def params(t: Trainer) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in t.model.parameters()]
+    return [p.detach().clone() for chunk in t.model for p in chunk.parameters()]
 
 
 def test_inspect_reports_step_settings_tp_and_every_tensor(root: Path, capsys) -> None:

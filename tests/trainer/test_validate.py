@@ -30,7 +30,6 @@ from trainer.validate import check_attention_selection, validate_train
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("model.num_layers=0", "model.num_layers"),
     ("model.num_query_groups=3", "model.num_query_groups"),  # 4 heads
-    ("parallel.distributed_optimizer=true", "parallel.distributed_optimizer"),
     ("trainer.seq_length=63", "trainer.seq_length"),  # with parallel.cp=2 below
     ("checkpoint.load=/no/such/checkpoints", "checkpoint.load"),
     ("data.valid_fraction=1.5", "data.valid_fraction"),
