@@ -34,7 +34,8 @@ from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import shutdown
 from tests.conftest import FAST, compose_config, read_metrics, run_cli, spawn
 from trainer import eval as eval_entry
-from trainer.train import _loss, train
+from trainer.step import _forward_step
+from trainer.train import train
 
 WORLD = 4
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]  # (tp, cp) on 4 processes; dp takes the rest
@@ -168,7 +169,10 @@ def model_loss_and_grads(kind: str, tp: int,
     config = transformer_config(model_cfg, AttentionConfig(**KINDS[kind]), tp=tp, cp=cp)
     torch.manual_seed(7)  # CPU initialisation: the same weights (TP shards) at every CP size
     model = build_gpt(config, VOCAB, SEQ)
-    loss = _loss(model, batch, torch.device("cpu"))
+    # The training step's own forward and loss function (trainer/step.py); megatron's schedule
+    # multiplies the loss by the CP size, so the mean over DDP's dp x cp ranks is the batch's.
+    output, loss_func = _forward_step(torch.device("cpu"), 1, iter([batch]), model)
+    loss = loss_func(output)[0] * cp
     loss.backward()
     value = loss.detach().clone()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}

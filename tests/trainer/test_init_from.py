@@ -46,7 +46,7 @@ def test_a_head_gate_is_added_to_an_imported_model(tmp_path: Path, hf_imported, 
                             if "dca" in attention else []))
     trainer = Trainer(cfg, tmp_path)
     try:
-        gated = dict(unwrap_model(trainer.model).named_parameters())
+        gated = dict(unwrap_model(trainer.model[0]).named_parameters())  # one pipeline chunk
         plain = build_model(cfg.model, AttentionConfig(), cfg.parallel,
                             vocab_size=trainer.vocab_size, max_sequence_length=64).gpt
         load_model_weights(resolve_checkpoint(imported), plain)
