@@ -20,41 +20,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
-from omegaconf import DictConfig
 
 from parallel.distributed import all_reduce_mean
 
 Batch = dict[str, torch.Tensor]
-
-
-def check_layout(cfg: DictConfig, world: int) -> None:
-    """Refuse a parallel layout that cannot run, in one line, before anything is built."""
-    p, m, t = cfg.parallel, cfg.model, cfg.trainer
-    vpp = p.vpp or 1
-    if min(p.tp, p.cp, p.pp, vpp) < 1:
-        raise ValueError(f"parallel.tp, cp, pp and vpp must be at least 1 (got tp={p.tp} "
-                         f"cp={p.cp} pp={p.pp} vpp={p.vpp})")
-    if vpp > 1 and p.pp == 1:
-        raise ValueError(f"parallel.vpp={vpp} interleaves pipeline stages: it needs "
-                         "parallel.pp > 1 (or set parallel.vpp=null)")
-    if m.num_layers % (p.pp * vpp):
-        raise ValueError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp x "
-                         f"parallel.vpp ({p.pp} x {vpp}): every stage holds as many layers")
-    if world % (p.tp * p.cp * p.pp):
-        raise ValueError(f"the number of processes ({world}) must be a multiple of parallel.tp "
-                         f"x parallel.cp x parallel.pp ({p.tp} x {p.cp} x {p.pp}); the rest is "
-                         "data parallelism")
-    dp = world // (p.tp * p.cp * p.pp)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        return  # the micro-batch count's own check names the fix
-    micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if vpp > 1 and micro % p.pp:
-        raise ValueError(f"interleaved pipelining (parallel.vpp={vpp}) needs a multiple of "
-                         f"parallel.pp ({p.pp}) micro-batches per step, got {micro} (= "
-                         "trainer.global_batch_size / (micro_batch_size x data-parallel size))")
-    if vpp > 1 and t.eval_interval and t.eval_batches % p.pp:
-        raise ValueError(f"interleaved pipelining (parallel.vpp={vpp}) needs trainer.eval_batches"
-                         f" ({t.eval_batches}) to be a multiple of parallel.pp ({p.pp})")
 
 
 def _on_this_rank(batch: Batch, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -34,7 +34,7 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMixDataset
 from trainer.resume import apply_optimizer_settings, resume_point
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
-from trainer.step import check_layout, evaluate, train_step
+from trainer.step import evaluate, train_step
 from trainer.validate import check_datasets, validate_train
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,6 @@ class Trainer:
         """Process groups and megatron's parallel state; micro-batches per step."""
         t, p = self.cfg.trainer, self.cfg.parallel
         init_process_group(self.device)
-        check_layout(self.cfg, dist.get_world_size())
         self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp, p.pp, p.vpp)
         self.micro_batches = _num_microbatches(self.cfg, self.topo.dp)
 
@@ -259,7 +258,11 @@ def _format(row: dict[str, Any]) -> str:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Build, train and tear down; returns the final metrics row."""
-    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir)
+    except BaseException:
+        shutdown()  # a refused or failed setup leaves no process groups behind
+        raise
     try:
         return trainer.run()
     finally:

@@ -39,12 +39,8 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     if t.precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"trainer.precision={t.precision!r}: choose auto, bf16 or fp32")
     device = _device_type(t.device)
-    dp = _check_parallel(cfg.parallel, t.seq_length, device, world_size)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise UserError(
-            f"trainer.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"trainer.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp}); "
-            "change one of them")
+    _check_micro_batches(cfg, _check_parallel(cfg.parallel, cfg.model.num_layers,
+                                              t.seq_length, world_size))
     _check_data(cfg.data)
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device == "cuda")
     check_model(cfg.model, cfg.attention, cfg.parallel, bf16=bf16, on_gpu=device == "cuda",
@@ -143,11 +139,21 @@ def check_checkpoint_load(path: str) -> None:
         raise UserError(f"checkpoint.load={path}: {err}") from err
 
 
-def _check_parallel(p: DictConfig, seq_length: int, device: str,
+def _check_parallel(p: DictConfig, num_layers: int, seq_length: int,
                     world_size: int | None) -> int:
-    """TP/CP sizes against the world size and sequence length; returns the data-parallel size."""
-    _at_least(p, "tp", 1, prefix="parallel")
-    _at_least(p, "cp", 1, prefix="parallel")
+    """TP/CP/PP/VPP sizes against the world size, layer count and sequence length; returns the
+    data-parallel size."""
+    for key in ("tp", "cp", "pp"):
+        _at_least(p, key, 1, prefix="parallel")
+    vpp = p.vpp or 1
+    if vpp < 1:
+        raise UserError(f"parallel.vpp={p.vpp} must be at least 1 (or null: no interleaving)")
+    if vpp > 1 and p.pp == 1:
+        raise UserError(f"parallel.vpp={vpp} interleaves pipeline stages: it needs "
+                        "parallel.pp > 1 (or set parallel.vpp=null)")
+    if num_layers % (p.pp * vpp):
+        raise UserError(f"model.num_layers ({num_layers}) must be divisible by parallel.pp x "
+                        f"parallel.vpp ({p.pp} x {vpp}): every stage holds as many layers")
     # Only context parallelism cares about parity: each CP rank holds pieces r and 2N-1-r of
     # every sequence (load balance for causal attention). Without CP any length works.
     if p.cp > 1 and seq_length % (2 * p.cp):
@@ -155,10 +161,34 @@ def _check_parallel(p: DictConfig, seq_length: int, device: str,
                         f"({p.cp}): each CP rank holds two of the 2 x cp pieces of a sequence")
     world = world_size or (dist.get_world_size() if dist.is_initialized()
                            else int(os.environ.get("WORLD_SIZE", "1")))
-    if world % (p.tp * p.cp):
-        raise UserError(f"parallel.tp x parallel.cp ({p.tp} x {p.cp}) must divide the number of "
-                        f"ranks ({world}); change them or torchrun's --nproc-per-node")
-    return world // (p.tp * p.cp)
+    model_parallel = p.tp * p.cp * p.pp
+    if world % model_parallel:
+        raise UserError(f"the number of processes ({world}) must be a multiple of parallel.tp x "
+                        f"parallel.cp x parallel.pp ({p.tp} x {p.cp} x {p.pp}); the rest is data "
+                        "parallelism: change them or torchrun's --nproc-per-node")
+    return world // model_parallel
+
+
+def _check_micro_batches(cfg: DictConfig, dp: int) -> None:
+    """The step's micro-batch count: whole, and a multiple of PP under interleaving (megatron's
+    interleaved schedule runs micro-batches in groups of pp)."""
+    t, p = cfg.trainer, cfg.parallel
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise UserError(
+            f"trainer.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"trainer.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp}); "
+            "change one of them")
+    if not p.vpp or p.vpp == 1:
+        return
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if micro % p.pp:
+        raise UserError(f"interleaved pipelining (parallel.vpp={p.vpp}) needs a multiple of "
+                        f"parallel.pp ({p.pp}) micro-batches per step, got {micro} (= "
+                        "trainer.global_batch_size / (micro_batch_size x data-parallel size))")
+    if t.eval_interval and t.eval_batches % p.pp:
+        raise UserError(f"interleaved pipelining (parallel.vpp={p.vpp}) needs "
+                        f"trainer.eval_batches ({t.eval_batches}) to be a multiple of "
+                        f"parallel.pp ({p.pp})")
 
 
 def _check_data(d: DictConfig) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, compose_config, read_metrics, run_cli
-from trainer.step import check_layout
+from trainer.errors import UserError
+from trainer.validate import validate_train
 
 # 4 layers (PP 2 x VPP 2), 4 heads and query groups (TP 2), 4 micro-batches of 2 per step.
 MODEL = ["model.num_layers=4", "model.num_attention_heads=4", "model.num_query_groups=4",
@@ -62,16 +63,22 @@ def test_pp2_dp2_distributed_optimizer_matches_single_process(
     (["model.num_layers=3", "parallel.pp=2"], 2, "model.num_layers (3) must be divisible"),
     (["model.num_layers=4", "parallel.pp=2", "parallel.vpp=4"], 2, "parallel.pp x parallel.vpp"),
     (["parallel.pp=2", "parallel.tp=2"], 6, "must be a multiple of parallel.tp"),
+    (["model.num_layers=4", "parallel.pp=2", "trainer.global_batch_size=4",
+      "trainer.micro_batch_size=4"], 4, "micro_batch_size x data-parallel size (4 x 2)"),
     (["parallel.vpp=2"], 1, "needs parallel.pp > 1"),
     (["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "trainer.global_batch_size=6",
       "trainer.micro_batch_size=2"], 2, "multiple of parallel.pp (2) micro-batches"),
 ])
 def test_invalid_layouts_are_refused(overrides: list[str], world: int, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(compose_config(overrides), world)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_train(compose_config(FAST + overrides), world)
 
 
 def test_valid_layout_passes() -> None:
-    check_layout(compose_config(["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2",
-                                 "parallel.tp=2", "trainer.global_batch_size=8",
-                                 "trainer.micro_batch_size=2"]), 8)
+    validate_train(compose_config(FAST + ["model.num_layers=4", "parallel.pp=2",
+                                          "parallel.vpp=2", "parallel.tp=2",
+                                          "trainer.global_batch_size=8",
+                                          "trainer.micro_batch_size=2"]), 8)
+    # TP2 x PP2 on 4 ranks leaves one data-parallel rank: micro 4 fills a batch of 4
+    validate_train(compose_config(FAST + ["model.num_layers=4", "parallel.pp=2",
+                                          "parallel.tp=2"]), 4)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ckpt.paths import TRACKER, resolve_checkpoint
 from ckpt.reader import CheckpointError
@@ -16,7 +18,7 @@ from tests.conftest import FAST, compose_config
 from trainer.build_data import main as build_main
 from trainer.data import build_datasets
 from trainer.errors import UserError
-from trainer.train import Trainer
+from trainer.train import Trainer, train
 from trainer.validate import check_attention_selection, validate_train
 
 
@@ -73,13 +75,17 @@ def test_one_attention_kind_with_the_gate_is_fine() -> None:
 
 
 def test_empty_validation_set_is_refused_when_the_run_evaluates(tmp_path: Path) -> None:
+    """The refusal comes after the process group is up (the data is read then); `train` tears
+    the groups down, so the next run in this process starts clean."""
     cfg = compose_config(FAST + ["data.valid_fraction=0", "trainer.eval_interval=2",
                                  "data.max_documents=30"])
     try:
         with pytest.raises(UserError, match="trainer.eval_interval=0"):
-            Trainer(cfg, tmp_path)
+            train(cfg, tmp_path)
+        assert not dist.is_initialized()
+        assert not parallel_state.model_parallel_is_initialized()
     finally:
-        shutdown()  # the process group was up: the data is read after it
+        shutdown()
 
 
 def test_garbage_tracker_is_named(tmp_path: Path) -> None:
