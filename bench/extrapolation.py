@@ -15,7 +15,12 @@ log / yarn at the sources' defaults; with --irope a second model trained with ch
 first model fine-tuned N steps with DCA (chunk T/2 < T, so it sees chunk structure) and
 evaluated with DCA again (a resume at a constant lr/3 with the scheduler overridden).
 Training length: a short probe measures the step time, and max_steps is set so that training
-takes --minutes (the schedule then decays over the whole run).
+takes --minutes (the schedule then decays over the whole run). --passkey-fraction of the
+training samples are passkey examples at T (default 0.5, as `+experiment=passkey`), so that the
+model can retrieve at T and the retrieval columns measure extrapolation, not the task.
+
+Re-running with the same --work reuses finished trainings and evaluations, and results are
+rewritten after every method, so a run cut short by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from extrapolation_report import collect, write  # noqa: E402
+
+METHODS = ("standard", "pi", "ntk", "yarn", "dca", "dca+log", "dca+yarn")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="1,2,4,8,16", help="multiples of T")
     p.add_argument("--trials", type=int, default=10, help="per (length, depth); 5 depths")
     p.add_argument("--eval-batch", type=int, default=4)
+    p.add_argument("--passkey-fraction", type=float, default=0.5,
+                   help="share of training samples that are passkey examples at T")
+    p.add_argument("--methods", help="comma-separated subset of the training-free methods "
+                   "(default all: " + ",".join(METHODS) + ")")
     p.add_argument("--irope", action="store_true", help="also train chunked + global layers")
     p.add_argument("--dca-finetune-steps", type=int, default=0)
     p.add_argument("--group", default=f"extrapolation-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -128,6 +139,7 @@ def train_overrides(args: argparse.Namespace, steps: int) -> list[str]:
             f"trainer.global_batch_size={args.batch}", f"trainer.max_steps={steps}",
             f"trainer.lr={args.lr:g}", f"trainer.min_lr={args.lr / 10:g}",
             f"trainer.warmup_steps={max(1, steps // 20)}", "trainer.eval_interval=0",
+            f"data.passkey_fraction={args.passkey_fraction:g}",
             "trainer.save_interval=0", f"trainer.log_interval={max(1, steps // 50)}"]
 
 
@@ -136,9 +148,10 @@ def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
     if args.steps:
         return args.steps
     d = args.work / "probe"
-    run("trainer", base + train_overrides(args, args.probe_steps)[:-3] + [
-        "trainer.eval_interval=0", "checkpoint.save=false", "trainer.log_interval=1",
-        "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
+    if (d / "metrics.jsonl").is_file():
+        print(f"reusing {d}", flush=True)
+    else:
+        _run_probe(args, base, d)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     seconds = statistics.median(r["step_time_s"] for r in rows[len(rows) // 3:])
     steps = max(args.probe_steps, int(args.minutes * 60 / seconds))
@@ -146,16 +159,27 @@ def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
     return steps
 
 
-def evaluations(args: argparse.Namespace, lengths: list[int]) -> dict[str, list[str]]:
+def _run_probe(args: argparse.Namespace, base: list[str], d: Path) -> None:
+    run("trainer", base + train_overrides(args, args.probe_steps)[:-3] + [
+        "trainer.eval_interval=0", "checkpoint.save=false", "trainer.log_interval=1",
+        "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
+
+
+def evaluations(args: argparse.Namespace) -> dict[str, list[str]]:
     """Method name -> `trainer.eval` overrides (the RoPE-scaled ones are swept per length)."""
     t = args.seq
     dca = ["+attention=dca", f"attention.dca_chunk_size={t}", f"attention.dca_local_size={t // 8}"]
-    return {
+    every = {
         "standard": [], "pi": ["+extrapolation=pi"], "ntk": ["+extrapolation=ntk"],
         "yarn": ["+extrapolation=yarn"], "dca": dca,
         "dca+log": dca + ["attention.dca_scaling=log"],
         "dca+yarn": dca + ["attention.dca_scaling=yarn"],
     }
+    chosen = args.methods.split(",") if args.methods else list(METHODS)
+    unknown = sorted(set(chosen) - set(every))
+    if unknown:
+        sys.exit(f"error: --methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    return {name: every[name] for name in chosen}
 
 
 def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
@@ -170,13 +194,21 @@ def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
                         f"eval.perplexity_windows={2 if args.smoke else 8}",
                         f"eval.multikey_keys={1 if args.smoke else 4}", *extra]
     if any(o.startswith("+extrapolation=") for o in extra):
-        sweep = ",".join(f"[{n}]" for n in lengths if n > args.seq)
-        if not sweep:
+        longer = [n for n in lengths if n > args.seq]
+        if not longer:
             return []
+        done = sorted(d.glob("*/eval.json"))
+        if len(done) == len(longer):
+            print(f"reusing {d}", flush=True)
+            return done
+        sweep = ",".join(f"[{n}]" for n in longer)
         run("trainer.eval", ["-m", *overrides, f"eval.lengths={sweep}",
                              f"hydra.sweep.dir={d}", "hydra.sweep.subdir=${hydra.job.num}"],
             d.with_suffix(".log"))
         return sorted(d.glob("*/eval.json"))
+    if (d / "eval.json").is_file():
+        print(f"reusing {d}", flush=True)
+        return [d / "eval.json"]
     lengths_arg = "[" + ",".join(map(str, lengths)) + "]"
     run("trainer.eval", [*overrides, f"eval.lengths={lengths_arg}", f"hydra.run.dir={d}"],
         d.with_suffix(".log"))
@@ -195,22 +227,32 @@ def main(argv: list[str] | None = None) -> None:
     base = common(args, tokenizer)
     steps = probe_steps(args, base)
     ckpt = train(base + train_overrides(args, steps), args.work / "train")
-    runs = {name: evaluate(args, name, ckpt, extra, base, lengths)
-            for name, extra in evaluations(args, lengths).items()}
+    meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
+            "lr": args.lr, "vocab": args.vocab, "passkey_fraction": args.passkey_fraction,
+            "lengths": lengths, "trials": args.trials,
+            "wandb_group": None if args.no_wandb else args.group, "smoke": args.smoke,
+            "command": " ".join(sys.argv)}
+    runs: dict[str, list[Path]] = {}
+
+    def publish() -> None:
+        """Results so far (a time limit may stop the next method)."""
+        rows = collect({k: v for k, v in runs.items() if v})
+        meta["seconds"] = round(time.perf_counter() - t_start)
+        for path in write(rows, args.out, meta):
+            print("wrote", path, flush=True)
+
+    for name, extra in evaluations(args).items():
+        runs[name] = evaluate(args, name, ckpt, extra, base, lengths)
+        publish()
     if args.irope:
         chunked = ["+attention=chunked", f"attention.chunk_size={args.seq // 4}",
                    "attention.global_layer_interval=" + ("2" if args.smoke else "4")]
         irope = train(base + train_overrides(args, steps) + chunked, args.work / "train_irope")
         runs["irope"] = evaluate(args, "irope", irope, chunked, base, lengths)
+        publish()
     if args.dca_finetune_steps:
         runs.update(dca_finetune(args, base, ckpt, steps, lengths))
-    rows = collect({k: v for k, v in runs.items() if v})
-    meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
-            "lr": args.lr, "vocab": args.vocab, "lengths": lengths, "trials": args.trials,
-            "wandb_group": None if args.no_wandb else args.group, "smoke": args.smoke,
-            "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - t_start)}
-    for path in write(rows, args.out, meta):
-        print("wrote", path)
+        publish()
 
 
 def dca_finetune(args: argparse.Namespace, base: list[str], ckpt: Path, steps: int,
