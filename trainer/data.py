@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,11 +277,13 @@ class DataIterator:
     batch of micro_batch_size * dp_size samples; rank r takes the r-th slice. The position is
     therefore just `consumed_samples`, and restoring it reproduces the remaining batches exactly,
     even under a different dp_size. A global batch that straddles an epoch boundary may hold a
-    sample twice (once from each epoch).
+    sample twice (once from each epoch). `mix(g, sample)`, when given, may replace global sample
+    g (the passkey mix: trainer/passkey.py).
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset, micro_batch_size: int, seed: int,
-                 consumed_samples: int = 0, dp_rank: int = 0, dp_size: int = 1) -> None:
+                 consumed_samples: int = 0, dp_rank: int = 0, dp_size: int = 1,
+                 mix: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
         if len(dataset) == 0:
             raise ValueError("dataset has no samples: the corpus is shorter than seq_length + 1")
         if micro_batch_size < 1 or not 0 <= dp_rank < dp_size or consumed_samples < 0:
@@ -293,6 +295,7 @@ class DataIterator:
         self.consumed_samples = consumed_samples
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.mix = mix
         self._epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -303,13 +306,16 @@ class DataIterator:
             self._epoch = epoch
         return int(self._perm[pos])
 
+    def _sample(self, g: int) -> torch.Tensor:
+        sample = self.dataset[self._sample_index(g)]
+        return self.mix(g, sample) if self.mix else sample
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         first = self.consumed_samples + self.dp_rank * self.micro_batch_size
-        samples = [self.dataset[self._sample_index(first + j)]
-                   for j in range(self.micro_batch_size)]
+        samples = [self._sample(g) for g in range(first, first + self.micro_batch_size)]
         self.consumed_samples += self.micro_batch_size * self.dp_size
         return _collate(samples)
 

@@ -49,27 +49,26 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[list
     return prompt, tokenizer.encode(key)
 
 
-class PasskeyMixDataset(torch.utils.data.Dataset):
-    """Replaces a deterministic fraction of a token dataset's samples by passkey examples.
+class PasskeyMix:
+    """Replaces a deterministic fraction of the training stream by passkey examples.
 
-    Sample i's choice, key and depth depend only on (seed, i), so resuming at any sample index
-    reproduces the same stream (exact resume keeps working).
+    Global sample g's choice, key and depth depend only on (seed, g), the training stream's
+    position: every epoch over a small corpus brings new keys (a choice keyed by the dataset
+    index would repeat the same few hundred keys each epoch, which a model memorises instead of
+    learning to retrieve), and resuming at any `consumed_samples` reproduces the same stream.
     """
 
-    def __init__(self, base: torch.utils.data.Dataset, tokenizer, fraction: float,
-                 seq_length: int, seed: int, digits: int = 5) -> None:
+    def __init__(self, tokenizer, fraction: float, seq_length: int, seed: int,
+                 digits: int = 5) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise UserError(f"data.passkey_fraction must be in [0, 1], got {fraction}")
-        self.base, self.tokenizer, self.fraction = base, tokenizer, fraction
+        self.tokenizer, self.fraction = tokenizer, fraction
         self.seq_length, self.seed, self.digits = seq_length, seed, digits
 
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, idx: int) -> torch.Tensor:
-        rng = np.random.default_rng((self.seed, 0x9A55, idx))
+    def __call__(self, g: int, sample: torch.Tensor) -> torch.Tensor:
+        rng = np.random.default_rng((self.seed, 0x9A55, g))
         if rng.random() >= self.fraction:
-            return self.base[idx]
+            return sample
         key = random_key(rng, self.digits)
         # seq_length + 1 tokens (inputs and shifted labels); the key's tokens end the sample.
         n_answer = len(self.tokenizer.encode(key))

@@ -31,7 +31,7 @@ from trainer.data import DataIterator, build_datasets, validation_batches
 from trainer.init_from import adopt_saved_model
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.passkey import PasskeyMixDataset
+from trainer.passkey import PasskeyMix
 from trainer.resume import apply_optimizer_settings, resume_point
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
 from trainer.step import evaluate, train_step
@@ -109,7 +109,7 @@ class Trainer:
         )
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
             self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
-            self.topo.dp_rank, self.topo.dp,
+            self.topo.dp_rank, self.topo.dp, mix=self.passkey_mix,
         )
 
     def _setup_parallel(self) -> None:
@@ -125,9 +125,8 @@ class Trainer:
         self.train_ds, self.valid_ds, tokenizer = build_datasets(
             d.name, d.path, d.tokenizer, t.seq_length, d.valid_fraction, t.seed, d.max_documents)
         check_datasets(len(self.train_ds), len(self.valid_ds), self.cfg)
-        if d.passkey_fraction > 0:
-            self.train_ds = PasskeyMixDataset(self.train_ds, tokenizer, d.passkey_fraction,
-                                              t.seq_length, t.seed)
+        self.passkey_mix = (PasskeyMix(tokenizer, d.passkey_fraction, t.seq_length, t.seed)
+                            if d.passkey_fraction > 0 else None)
         return tokenizer
 
     def _setup_model(self, vocab_size: int) -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
-from trainer.data import ByteTokenizer
+from trainer.data import ByteTokenizer, DataIterator
 from trainer.evaluate import greedy_continue, passkey_accuracy, perplexity_by_length
-from trainer.passkey import QUESTION, PasskeyMixDataset, passkey_prompt
+from trainer.passkey import QUESTION, PasskeyMix, passkey_prompt
 
 TOK = ByteTokenizer()
 
@@ -29,24 +29,47 @@ def test_passkey_prompt_has_exact_length_and_puts_the_needle_at_depth(depth: flo
 
 
 class _Stream(torch.utils.data.Dataset):
+    def __init__(self, size: int = 1000) -> None:
+        self.size = size
+
     def __len__(self) -> int:
-        return 1000
+        return self.size
 
     def __getitem__(self, idx: int) -> torch.Tensor:
         return torch.full((129,), 7, dtype=torch.int64)
 
 
-def test_passkey_mix_is_deterministic_per_index_and_ends_with_the_key() -> None:
-    mixed = PasskeyMixDataset(_Stream(), TOK, 0.5, 128, seed=3)
-    again = PasskeyMixDataset(_Stream(), TOK, 0.5, 128, seed=3)
-    samples = [mixed[i] for i in range(200)]
+def _keys(batch: dict[str, torch.Tensor]) -> list[str | None]:
+    """The passkey each sample of a micro-batch ends with (None: a corpus sample)."""
+    texts = [TOK.decode(row.tolist()) for row in batch["tokens"]]
+    return [None if row[0] == 7 else text[-4:] + TOK.decode([int(label[-1])])
+            for text, row, label in zip(texts, batch["tokens"], batch["labels"])]
+
+
+def test_passkey_mix_is_deterministic_per_sample_and_ends_with_the_key() -> None:
+    mix, again = PasskeyMix(TOK, 0.5, 128, seed=3), PasskeyMix(TOK, 0.5, 128, seed=3)
+    base = torch.full((129,), 7, dtype=torch.int64)
+    samples = [mix(g, base) for g in range(200)]
     assert all(s.shape == (129,) for s in samples)
-    assert all(torch.equal(mixed[i], again[i]) for i in (0, 57, 199))
+    assert all(torch.equal(mix(g, base), again(g, base)) for g in (0, 57, 199))
     keyed = [TOK.decode(s.tolist()) for s in samples if int(s[0]) != 7]
     assert 70 < len(keyed) < 130  # about half
     for text in keyed:
         key = text[-5:]
         assert key.isdigit() and f"The pass key is {key}." in text
+
+
+def test_passkey_keys_change_every_epoch_and_resume_exactly() -> None:
+    """Over a 10-sample corpus, 4 epochs of training draw ~20 different keys (keyed by the
+    dataset index they would repeat 5 keys, which a model memorises); a resumed iterator
+    continues the same stream."""
+    mix = PasskeyMix(TOK, 0.5, 128, seed=3)
+    it = DataIterator(_Stream(10), micro_batch_size=5, seed=1, mix=mix)
+    stream = [_keys(next(it)) for _ in range(8)]
+    keys = [k for batch in stream for k in batch if k]
+    assert len(keys) > 12 and len(set(keys)) == len(keys)
+    resumed = DataIterator(_Stream(10), micro_batch_size=5, seed=1, mix=mix, consumed_samples=15)
+    assert [_keys(next(resumed)) for _ in range(5)] == stream[3:]
 
 
 class _OracleModel(torch.nn.Module):
