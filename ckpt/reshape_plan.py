@@ -122,41 +122,55 @@ def added_keys(ckpt: Checkpoint, source: Layout, target: Layout) -> list[str]:
     return [f"{PREFIX}{MASTER[DISTRIBUTED]}.{k}" for k in sorted(moments - have)]
 
 
-def _stages(key: str, shape: tuple[int, ...], pp: int, tied: bool) -> list[tuple[int, slice]]:
-    """(stage, layers it holds) of a tensor; layers: `slice(None)` for an unstacked tensor."""
+def _stages(key: str, shape: tuple[int, ...], pp: int, tied: bool) -> list[tuple[int, range]]:
+    """(stage, the layers it holds) of a tensor (the layers matter for stacked tensors only)."""
     if is_stacked(key):
         per = shape[0] // pp
-        return [(s, slice(s * per, (s + 1) * per)) for s in range(pp)]
+        return [(s, range(s * per, (s + 1) * per)) for s in range(pp)]
     name = model_key(key)
+    every = range(0)
     if name.startswith("embedding."):
-        return [(0, slice(None))] + ([(pp - 1, slice(None))] if tied and pp > 1 else [])
+        return [(0, every)] + ([(pp - 1, every)] if tied and pp > 1 else [])
     if name.startswith(("decoder.final_layernorm", "output_layer")):
-        return [(pp - 1, slice(None))]
-    return [(s, slice(None)) for s in range(pp)]
+        return [(pp - 1, every)]
+    return [(s, every) for s in range(pp)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of a tensor: per axis the [start, stop) ranges it holds (several along
+    SwiGLU's fused axis), and the ranks that hold it (replicas included)."""
+
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    ranks: tuple[int, ...]
+
+    def __str__(self) -> str:
+        index = ", ".join("+".join(f"{a}:{b}" for a, b in axis) for axis in self.ranges)
+        return (f"{'x'.join(map(str, self.shape))} [{index}] on rank"
+                f"{'s' if len(self.ranks) > 1 else ''} {','.join(map(str, self.ranks))}")
 
 
 def shards(key: str, shape: tuple[int, ...], tp_layout: TPLayout, layout: Layout,
-           tied: bool) -> list[str]:
-    """Each shard of a tensor at `layout`: its shape, its place in the global tensor and the
-    ranks that hold it."""
+           tied: bool) -> list[Shard]:
+    """Each shard of a tensor at `layout`."""
     out = []
+    split = tp_layout.axis is not None
     for stage, layers in _stages(key, shape, layout.pp, tied):
-        for tp_rank in range(layout.tp if tp_layout.axis is not None else 1):
-            index, local = [], list(shape)
+        for tp_rank in range(layout.tp if split else 1):
+            ranges, local = [], list(shape)
             for axis, size in enumerate(shape):
-                if axis == 0 and is_stacked(key) and layers != slice(None):
-                    index.append(f"{layers.start}:{layers.stop}")
+                if axis == 0 and is_stacked(key):
+                    ranges.append(((layers.start, layers.stop),))
                     local[axis] = layers.stop - layers.start
                 elif axis == tp_layout.axis:
-                    index.append("+".join(f"{a}:{b}" for a, b in
-                                          tp_layout.ranges(size, layout.tp, tp_rank)))
+                    ranges.append(tuple(tp_layout.ranges(size, layout.tp, tp_rank)))
                     local[axis] = size // layout.tp
                 else:
-                    index.append(":")
-            holders = [r for t in ([tp_rank] if tp_layout.axis is not None else
-                                   range(layout.tp)) for r in layout.ranks(t, stage)]
-            out.append(f"{'x'.join(map(str, local))} [{', '.join(index)}] on rank"
-                       f"{'s' if len(holders) > 1 else ''} {','.join(map(str, holders))}")
+                    ranges.append(((0, size),))
+            holders = [r for t in ([tp_rank] if split else range(layout.tp))
+                       for r in layout.ranks(t, stage)]
+            out.append(Shard(tuple(local), tuple(ranges), tuple(holders)))
     return out
 
 
@@ -166,8 +180,8 @@ class PlanRow:
     target_key: str | None  # None: not written
     shape: tuple[int, ...]
     split: str
-    before: list[str]
-    after: list[str]
+    before: list[Shard]
+    after: list[Shard]
 
 
 def plan(ckpt: Checkpoint, target: Layout, model_only: bool) -> list[PlanRow]:
@@ -195,7 +209,7 @@ def plan(ckpt: Checkpoint, target: Layout, model_only: bool) -> list[PlanRow]:
 def print_plan(ckpt: Checkpoint, target: Layout, rows: list[PlanRow]) -> None:
     source = source_layout(ckpt)
     shape = lambda s: "x".join(map(str, s))  # noqa: E731
-    first = lambda shards: shards[0].split(" ", 1)[0] if shards else "-"  # noqa: E731
+    first = lambda shards: shape(shards[0].shape) if shards else "-"  # noqa: E731
     table = [[r.key or f"(new) {r.target_key}", shape(r.shape), r.split, first(r.before),
               "not written" if r.target_key is None else first(r.after)] for r in rows]
     print(format_table(table, ["key", "global shape", "TP split",
@@ -209,7 +223,7 @@ def print_plan(ckpt: Checkpoint, target: Layout, rows: list[PlanRow]) -> None:
             if not listed:
                 listed = ["(none: taken from the model weights)" if when == "before" else
                           "(not written)"]
-            print(f"  {when:<6} " + "\n         ".join(listed))
+            print(f"  {when:<6} " + "\n         ".join(map(str, listed)))
     rng = sorted({k.rsplit("/shard_", 1)[0] for k in ckpt.objects if k.startswith("rng_state/")})
     print(f"\nRNG states {', '.join(rng) or '(none)'}: not carried over (a run at TP={target.tp} "
           f"PP={target.pp} starts fresh ones)")
