@@ -25,6 +25,15 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
+from ckpt.optimizer_format import (
+    DISTRIBUTED,
+    convert_loaded,
+    current_format,
+    fill_from_model,
+    retarget_template,
+    saved_format,
+    unread_source_keys,
+)
 from ckpt.reader import Checkpoint, CheckpointError
 from ckpt.state import chunk_list, load_model_state, rng_key, set_rng_state, training_state
 from models.gpt import transformer_config
@@ -88,17 +97,18 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     if optimizer is not None and extra.get("model_only"):
         raise CheckpointError(f"{ckpt_dir} holds model weights only (written by `python -m ckpt "
                               "reshape --model-only`): there is no optimizer state to resume from")
-    _check_optimizer_format(ckpt, optimizer)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     with_rng = any(key.startswith(rng_key(tp, pp) + "/") for key in ckpt.objects)
     template = training_state(model, optimizer, is_loading=True, with_rng=with_rng)
+    switch = _FormatSwitch(ckpt, optimizer, template)
     mismatches = architecture_mismatches(ckpt, chunk_list(model)[0].config)
-    mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None)
+    mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None,
+                                      unread=switch.unread)
     loaded = _load_if_fits(ckpt_dir, template, mismatches)
     load_model_state(model, loaded["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(switch.converted(loaded))
     if "scheduler" in loaded:  # not in model-only checkpoints
         scheduler.load_state_dict(loaded["scheduler"])
     if with_rng:
@@ -108,19 +118,43 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     return extra
 
 
-def _check_optimizer_format(ckpt: Checkpoint, optimizer: Any) -> None:
-    """The distributed optimizer stores its state in another format than the plain one (master
-    weights as `optimizer.state.param.*`, other common state); refuse a switch in one line."""
-    saved = ckpt.extra.get("layout", {}).get("distributed_optimizer")
-    if optimizer is None or saved is None:
-        return
-    current = any(hasattr(opt, "gbuf_ranges")  # megatron's DistributedOptimizer
-                  for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
-    if saved != current:
-        raise CheckpointError(
-            f"{ckpt.path} was saved with parallel.distributed_optimizer={str(saved).lower()}; "
-            f"resume with the same setting (model and optimizer state reshard across tp, pp, "
-            f"dp, but not across the two optimizer formats)")
+class _FormatSwitch:
+    """Loading an optimizer state saved in the other format (`parallel.distributed_optimizer`
+    switched): the template asks for the saved keys, and the loaded state is converted to what
+    this optimizer loads (`ckpt.optimizer_format`). Does nothing when the formats agree."""
+
+    def __init__(self, ckpt: Checkpoint, optimizer: Any, template: dict[str, Any]) -> None:
+        common = ckpt.common.get("optimizer")
+        self.source = saved_format(common) if optimizer is not None else None
+        self.target = current_format(optimizer) if optimizer is not None else None
+        self.unread: set[str] = set()
+        if self.source is None or self.source == self.target:
+            self.source = self.target
+            return
+        if len(getattr(optimizer, "chained_optimizers", [optimizer])) > 1:
+            raise CheckpointError(
+                f"{ckpt.path} was saved with parallel.distributed_optimizer="
+                f"{str(self.source == DISTRIBUTED).lower()}; this run's optimizer is chained "
+                "(several optimizers), which resumes only with the same setting")
+        log.info("the checkpoint's optimizer state is in the %s format: converting it to the %s "
+                 "one", self.source, self.target)
+        self.common = common
+        self.optimizer_template = template["optimizer"]
+        self.model_template = template["model"]
+        self.holes = retarget_template(template["optimizer"], self.source, self.target,
+                                       ckpt.tensors)
+        master_weights = (self.target == DISTRIBUTED
+                          or "fp32_from_fp16_params" in template["optimizer"])
+        self.unread = unread_source_keys(self.source, self.target, ckpt.tensors,
+                                         master_weights=master_weights)
+
+    def converted(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """`loaded["optimizer"]` as this run's optimizer loads it."""
+        if self.source == self.target:
+            return loaded["optimizer"]
+        fill_from_model(loaded["optimizer"], self.holes, self.model_template)
+        return convert_loaded(loaded["optimizer"], self.optimizer_template, self.common,
+                              self.target)
 
 
 def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
@@ -218,12 +252,13 @@ def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:
             for name in ARCHITECTURE if getattr(saved_config, name) != getattr(config, name)]
 
 
-def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *,
-                        with_optimizer: bool) -> list[str]:
+def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *, with_optimizer: bool,
+                        unread: set[str] = frozenset()) -> list[str]:
     """Tensors and objects a load of `template` would ask for that the checkpoint lacks or holds
     at another global shape, and model (and optimizer) tensors the template would leave behind.
     Collective when several processes load: under pipeline parallelism each stage asks for its
-    own tensors, and together the stages ask for every one."""
+    own tensors, and together the stages ask for every one. `unread`: checkpoint tensors that
+    may stay behind (master weights another optimizer format keeps and this one does not)."""
     tensors, objects = expected_entries(template)
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -238,7 +273,7 @@ def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *,
             problems.append(f"{key}: not in the checkpoint (the model has {list(shape)})")
         elif info.shape != shape:
             problems.append(f"{key}: checkpoint {list(info.shape)}, model {list(shape)}")
-    for key in sorted(set(ckpt.tensors) - set(tensors)):
+    for key in sorted(set(ckpt.tensors) - set(tensors) - unread):
         if with_optimizer or not key.startswith("optimizer."):
             problems.append(f"{key}: in the checkpoint {list(ckpt.tensors[key].shape)}, not in "
                             "the model")

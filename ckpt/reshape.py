@@ -1,20 +1,24 @@
-"""`python -m ckpt reshape SRC DST --target-tp N`: rewrite a training checkpoint for TP=N.
+"""`python -m ckpt reshape SRC DST --target-tp N --target-pp M --target-dist-opt on|off`: rewrite
+a training checkpoint for another layout and optimizer format.
 
-N CPU processes (gloo) build the model at TP=N from the checkpoint's saved config, so megatron's
-own `sharded_state_dict` (with every factory: SwiGLU, the head gate's [QKV; Gate]) decides each
-rank's shard; the optimizer state is sharded as megatron shards it, after its parameter
+tp x pp CPU processes (gloo) build the model chunks of that layout from the checkpoint's saved
+config, so megatron's own `sharded_state_dict` (with every factory: SwiGLU, the head gate's
+[QKV; Gate], the embedding tied across the first and last stage) decides each rank's shard; the
+optimizer state is sharded as megatron shards it, after its parameter
 (`make_sharded_optimizer_tensor`), in the dtypes stored, so no optimizer is built (megatron's
 bf16 optimizer needs CUDA). The ranks load SRC into those shards and save DST in the training
-format: `python -m trainer checkpoint.load=DST parallel.tp=N` resumes from it. RNG states are
-per TP size, so DST has none and the resumed run starts fresh ones (as loading SRC at TP=N would).
+format, the optimizer state in the target's format (`ckpt.optimizer_format`):
+`python -m trainer checkpoint.load=DST parallel.tp=N parallel.pp=M` resumes from it. RNG states
+are per layout, so DST has none and the resumed run starts fresh ones (as loading SRC there
+would). The plan and the refusals come from the index alone (`ckpt.reshape_plan`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +32,25 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ckpt.destination import add_destination_arguments, staged
-from ckpt.inspect import MODEL_WEIGHT, format_table
-from ckpt.layout import checked_layout, is_optimizer_key
+from ckpt.inspect import MODEL_WEIGHT
+from ckpt.layout import is_optimizer_key, model_key
 from ckpt.load import CheckpointMismatchError, expected_entries, open_checked, template_mismatches
+from ckpt.optimizer_format import DISTRIBUTED, MASTER, PREFIX, convert_common
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint
+from ckpt.reshape_plan import (
+    Layout,
+    PlanRow,
+    has_master_weights,
+    plan,
+    print_plan,
+    source_layout,
+    target_key,
+    target_problems,
+)
 from ckpt.save import write_checkpoint
-from ckpt.verify import compare
-from models.gpt import BuildOptions, build_model, ffn_hidden_size, transformer_config
+from ckpt.verify import bitwise_equal
+from models.gpt import BuildOptions, build_model
 from models.schema import ParallelConfig
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
@@ -46,130 +61,90 @@ class ReshapeError(RuntimeError):
     """The checkpoint cannot be reshaped as asked (the message says why)."""
 
 
-def target_problems(ckpt: Checkpoint, tp: int) -> list[str]:
-    """Everything that keeps the checkpoint's model from running at TP=`tp` (empty: it fits)."""
-    if tp < 1:
-        return [f"--target-tp must be at least 1 (got {tp})"]
-    m = ckpt.config.model
-    heads = m.num_attention_heads
-    groups = m.num_query_groups or heads
-    ffn = ffn_hidden_size(m)
-    vocab = ckpt.tensors[MODEL_WEIGHT].shape[0]
-    problems = []
-    if heads % tp:
-        problems.append(f"model.num_attention_heads ({heads}) is not divisible by {tp}")
-    if groups % tp:
-        problems.append(f"model.num_query_groups ({groups}) is not divisible by {tp}: each rank "
-                        "needs whole query groups (K/V heads)")
-    if ffn % tp:
-        problems.append(f"the MLP hidden size ({ffn}) is not divisible by {tp}")
-    if vocab % tp:
-        problems.append(f"the padded vocabulary ({vocab} rows) is not divisible by {tp}; the "
-                        "padding is fixed in the checkpoint")
-    swiglu = bool(m.swiglu)
-    for info in ckpt.tensors.values():
-        problem = checked_layout(info, swiglu, ckpt.tp).problem(info.key, info.shape, tp)
-        if problem and not is_optimizer_key(info.key):
-            problems.append(problem)
-    if not problems:  # megatron's own checks, for anything the list above misses
-        try:
-            transformer_config(m, ckpt.config.attention, tp=tp)
-        except ValueError as e:
-            problems.append(str(e))
-    return problems
+Buffers = dict[tuple[str, str], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class PlanRow:
-    key: str
-    shape: tuple[int, ...]
-    split: str
-    old: tuple[int, ...]
-    new: tuple[int, ...] | None  # None: not written (--model-only)
+def _state_names(ckpt: Checkpoint, source: Layout, target: Layout) -> dict[str, str | None]:
+    """Optimizer state names at the target and the source name each is read from (None: the
+    model weights, for master weights the source format does not store)."""
+    master = has_master_weights(ckpt)
+    names: dict[str, str | None] = {}
+    for name in sorted({key.split(".")[2] for key in ckpt.tensors if is_optimizer_key(key)}):
+        new = target_key(f"{PREFIX}{name}.x", source, target, master)
+        if new is not None:
+            names[new.split(".")[2]] = name
+    if target.optimizer_format == DISTRIBUTED and MASTER[DISTRIBUTED] not in names:
+        names[MASTER[DISTRIBUTED]] = None
+    return names
 
 
-def plan(ckpt: Checkpoint, tp: int, model_only: bool) -> list[PlanRow]:
-    """Per tensor: its TP split and one rank's local shard shape before and after."""
-    swiglu = bool(ckpt.config.model.swiglu)
-    rows = []
-    for key, info in sorted(ckpt.tensors.items()):
-        layout = checked_layout(info, swiglu, ckpt.tp)
-        dropped = model_only and is_optimizer_key(key)
-        rows.append(PlanRow(key, info.shape, layout.describe(),
-                            layout.local_shape(info.shape, ckpt.tp),
-                            None if dropped else layout.local_shape(info.shape, tp)))
-    return rows
-
-
-def print_plan(ckpt: Checkpoint, tp: int, rows: list[PlanRow]) -> None:
-    shape = lambda s: "x".join(map(str, s))  # noqa: E731
-    table = [[r.key, shape(r.shape), r.split, shape(r.old),
-              "dropped (--model-only)" if r.new is None else shape(r.new)] for r in rows]
-    print(format_table(table, ["key", "global shape", "TP split", f"TP={ckpt.tp} shard",
-                               f"TP={tp} shard"]))
-    rng = sorted({k.rsplit("/shard_", 1)[0] for k in ckpt.objects if k.startswith("rng_state/")})
-    print(f"\nRNG states {', '.join(rng) or '(none)'}: not carried over (a run at TP={tp} starts "
-          "fresh ones)")
-
-
-def _optimizer_entries(model_sd: dict[str, Any], ckpt: Checkpoint,
-                       buffers: dict[tuple[str, str], torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """Sharded optimizer state as megatron builds it (after its parameter's sharding), for every
-    state SRC holds for that parameter; `buffers` keeps the local tensors between calls."""
-    names = sorted({key.split(".")[2] for key in ckpt.tensors if is_optimizer_key(key)})
-    entries: dict[str, dict[str, Any]] = {name: {} for name in names}
+def _optimizer_entries(model_sd: dict[str, Any], ckpt: Checkpoint, names: dict[str, str | None],
+                       buffers: Buffers, *, saving: bool) -> dict[str, dict[str, Any]]:
+    """Sharded optimizer state as megatron builds it (after its parameter's sharding), under
+    the source's names (`saving=False`) or the target's; `buffers` keeps the local tensors
+    between calls (keyed by target name)."""
+    entries: dict[str, dict[str, Any]] = {}
     for sd_key, param in model_sd.items():
         if not isinstance(param, (ShardedTensor, ShardedTensorFactory)):
             continue  # objects (`_extra_state`) have no optimizer state
-        for name in names:
-            prefix = f"optimizer.state.{name}"
-            probe = make_sharded_optimizer_tensor(param, param.data, prefix)
+        for name, source_name in names.items():
+            probe = make_sharded_optimizer_tensor(param, param.data,
+                                                  f"{PREFIX}{source_name or 'exp_avg'}")
             keys = expected_entries({"probe": probe})[0]
             if not all(k in ckpt.tensors for k in keys):
                 continue  # SRC has no such state for this tensor; the mismatch check reports
             if (name, sd_key) not in buffers:
-                dtype = ckpt.tensors[next(iter(keys))].dtype
+                dtype = (ckpt.tensors[next(iter(keys))].dtype if source_name else torch.float32)
                 buffers[name, sd_key] = torch.empty_like(param.data, dtype=dtype)
-            entries[name][sd_key] = make_sharded_optimizer_tensor(param, buffers[name, sd_key],
-                                                                  prefix)
-    return {name: e for name, e in entries.items() if e}  # megatron keeps empty dicts in common
+            if source_name is None and not saving:
+                continue  # filled from the model weights after the load
+            prefix = f"{PREFIX}{name if saving else source_name}"
+            entries.setdefault(name if saving else source_name, {})[sd_key] = \
+                make_sharded_optimizer_tensor(param, buffers[name, sd_key], prefix)
+    return entries
 
 
-def _worker(rank: int, tp: int, store: str, src: str, out_root: str, model_only: bool) -> None:
-    """One TP rank: build the model at TP=`tp`, load SRC into its shards, save DST."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+def _worker(rank: int, world: int, store: str, src: str, out_root: str, target: Layout,
+            model_only: bool) -> None:
+    """One rank of the target layout: build its model chunk, load SRC into its shards, save."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     enable_cpu_mode()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
-    stages = tqdm(total=3, desc=f"reshape ({tp} ranks)", disable=rank != 0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    stages = tqdm(total=3, desc=f"reshape ({world} ranks)", disable=rank != 0)
     try:
         ckpt = open_checked(src)  # files, CRCs and pickles: each rank checks a share
-        initialize_parallel(torch.device("cpu"), tp, ckpt.config.trainer.seed)
-        model = _rebuild_model(ckpt, tp)
-        buffers: dict[tuple[str, str], torch.Tensor] = {}
+        initialize_parallel(torch.device("cpu"), target.tp, ckpt.config.trainer.seed,
+                            pp=target.pp)
+        model = _rebuild_model(ckpt, target)
+        names = _state_names(ckpt, source_layout(ckpt), target)
+        buffers: Buffers = {}
 
-        def template() -> dict[str, Any]:
+        def template(saving: bool) -> dict[str, Any]:
             model_sd = model.sharded_state_dict()
             if model_only:
                 return {"sharded": {"model": model_sd}}
-            return {"sharded": {"model": model_sd,
-                                "optimizer": _optimizer_entries(model_sd, ckpt, buffers)}}
+            return {"sharded": {"model": model_sd, "optimizer": _optimizer_entries(
+                model_sd, ckpt, names, buffers, saving=saving)}}
 
         stages.update()
-        _load_source(src, ckpt, model, template(), buffers, model_only)
+        _load_source(src, ckpt, model, template(saving=False), model_only)
+        if not model_only:
+            _fill_from_model(model.sharded_state_dict(), names, buffers)
         stages.update()
-        write_checkpoint(out_root, ckpt.step, {**_target_common(ckpt, tp, model_only),
-                                               **template()})
+        write_checkpoint(out_root, ckpt.step, {**_target_common(ckpt, target, model_only),
+                                               **template(saving=True)})
         stages.update()
     finally:
         stages.close()
         shutdown()
 
 
-def _rebuild_model(ckpt: Checkpoint, tp: int) -> torch.nn.Module:
-    """The checkpoint's model at TP=`tp` from its saved config, in the dtype it was saved in."""
+def _rebuild_model(ckpt: Checkpoint, target: Layout) -> torch.nn.Module:
+    """This rank's chunk of the checkpoint's model at `target` from its saved config, in the
+    dtype it was saved in."""
     cfg = ckpt.config
     weights = ckpt.tensors[MODEL_WEIGHT]
-    built = build_model(cfg.model, cfg.attention, ParallelConfig(tp=tp),
+    built = build_model(cfg.model, cfg.attention, ParallelConfig(tp=target.tp, pp=target.pp),
                         vocab_size=weights.shape[0], max_sequence_length=cfg.trainer.seq_length,
                         options=BuildOptions(bf16=weights.dtype == torch.bfloat16))
     if built.config.bf16:  # every parameter, norms too, as training's Float16Module casts them
@@ -178,89 +153,148 @@ def _rebuild_model(ckpt: Checkpoint, tp: int) -> torch.nn.Module:
 
 
 def _load_source(src: str, ckpt: Checkpoint, model: torch.nn.Module, load: dict[str, Any],
-                 buffers: dict[tuple[str, str], torch.Tensor], model_only: bool) -> None:
-    """SRC's tensors into this rank's shards: the model's, and the optimizer's into `buffers`."""
-    mismatches = template_mismatches(ckpt, load, with_optimizer=not model_only)
+                 model_only: bool) -> None:
+    """SRC's tensors into this rank's shards: the model's, and the optimizer's into their
+    buffers (a factory's merged tensor is a new one: copied over)."""
+    read = set(load["sharded"].get("optimizer", {}))
+    unread = {key for key in ckpt.tensors  # e.g. the distributed optimizer's fp32 master
+              if is_optimizer_key(key) and key.split(".")[2] not in read}  # weights
+    mismatches = template_mismatches(ckpt, load, with_optimizer=not model_only,
+                                     unread=set() if model_only else unread)
     if mismatches:
         raise CheckpointMismatchError("the model rebuilt from the saved config does not fit "
                                       "the checkpoint:\n  " + "\n  ".join(mismatches))
     loaded = dist_checkpointing.load(load, src)["sharded"]
     model.load_state_dict(loaded["model"])
-    for (name, sd_key), local in buffers.items():  # factories' merged tensors are new ones
-        local.copy_(loaded["optimizer"][name][sd_key])
+    for name, entries in load["sharded"].get("optimizer", {}).items():
+        for sd_key, entry in entries.items():
+            value = loaded["optimizer"][name][sd_key]
+            if value.data_ptr() != entry.data.data_ptr():  # loaded elsewhere
+                entry.data.copy_(value)
 
 
-def _target_common(ckpt: Checkpoint, tp: int, model_only: bool) -> dict[str, Any]:
-    """SRC's common state (step, data position, scheduler...) with the config set to TP=`tp`.
+def _fill_from_model(model_sd: dict[str, Any], names: dict[str, str | None],
+                     buffers: Buffers) -> None:
+    """Master weights the source format does not store: copies of the (loaded) model weights."""
+    for name, source_name in names.items():
+        if source_name is None:
+            for sd_key, param in model_sd.items():
+                if (name, sd_key) in buffers:
+                    buffers[name, sd_key].copy_(param.data)
+
+
+def _target_common(ckpt: Checkpoint, target: Layout, model_only: bool) -> dict[str, Any]:
+    """SRC's common state (step, data position, scheduler...), the optimizer's in the target
+    format, with the config and layout set to `target`.
 
     The sharded part is saved under its own key: megatron drops containers left empty once the
     sharded values are taken out, so common.pt is SRC's common state exactly."""
     cfg = ckpt.config
     common = {k: v for k, v in ckpt.common.items()
               if not (model_only and k in ("optimizer", "scheduler"))}
-    cfg.parallel.tp = tp
-    common["extra"] = {**ckpt.extra, "tp": tp, "config": OmegaConf.to_yaml(cfg),
-                       "reshaped_from_tp": ckpt.tp}
+    if "optimizer" in common:
+        common["optimizer"] = convert_common(common["optimizer"], target.optimizer_format,
+                                             master_weights=has_master_weights(ckpt))
+    source = source_layout(ckpt)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = target.tp, target.pp, None
+    cfg.parallel.distributed_optimizer = target.distributed_optimizer
+    layout = {"tp": target.tp, "pp": target.pp, "vpp": None, "cp": 1, "dp": 1,
+              "distributed_optimizer": target.distributed_optimizer}
+    common["extra"] = {**ckpt.extra, "tp": target.tp, "config": OmegaConf.to_yaml(cfg),
+                       "layout": layout, "reshaped_from_tp": ckpt.tp,
+                       "reshaped_from": dataclasses.asdict(source)}
     if model_only:
         common["extra"]["model_only"] = True
     return common
 
 
-def reshape(src: str | Path, dst: str | Path, tp: int, *, dry_run: bool = False,
+def reshape(src: str | Path, dst: str | Path, tp: int | None = None, *, pp: int | None = None,
+            distributed_optimizer: bool | None = None, dry_run: bool = False,
             overwrite: bool = False, model_only: bool = False, verify: bool = False) -> None:
-    """Rewrite checkpoint `src` for TP=`tp` as the checkpoints root `dst`."""
+    """Rewrite checkpoint `src` for TP=`tp`, PP=`pp` and the optimizer format (each None: the
+    source's) as the checkpoints root `dst`."""
     src_dir = resolve_checkpoint(src)
     ckpt = Checkpoint(src_dir)
-    problems = target_problems(ckpt, tp)
+    source = source_layout(ckpt)
+    target = Layout(tp=source.tp if tp is None else tp, pp=source.pp if pp is None else pp,
+                    distributed_optimizer=(source.distributed_optimizer
+                                           if distributed_optimizer is None
+                                           else distributed_optimizer))
+    problems = target_problems(ckpt, target)
     if problems:
-        raise ReshapeError(f"cannot reshape {src_dir} (TP={ckpt.tp}) to TP={tp}:\n  - "
-                           + "\n  - ".join(problems))
-    if tp == ckpt.tp:
-        raise ReshapeError(f"{src_dir} was saved at TP={tp} already; nothing to do")
-    rows = plan(ckpt, tp, model_only)
+        raise ReshapeError(f"cannot reshape {src_dir} ({source.describe()}) to "
+                           f"{target.describe()}:\n  - " + "\n  - ".join(problems))
+    same = dataclasses.replace(source, dp=1, cp=1)
+    if target == same or (model_only and (target.tp, target.pp) == (same.tp, same.pp)):
+        raise ReshapeError(f"{src_dir} was saved at {target.describe()} already; nothing to do")
+    rows = plan(ckpt, target, model_only)
     if dry_run:
-        print_plan(ckpt, tp, rows)
+        print_plan(ckpt, target, rows)
         print(f"\ndry run: would write {Path(dst)}/{src_dir.name} (nothing written)")
         return
     dst = Path(dst)
+    world = target.tp * target.pp
     with staged(dst, overwrite, sources=(src_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
         try:
-            run_workers(_worker, (tp, f"{d}/store", str(src_dir), str(tmp), model_only), tp)
+            run_workers(_worker, (world, f"{d}/store", str(src_dir), str(tmp), target,
+                                  model_only), world)
         except mp.ProcessRaisedException as e:
-            raise ReshapeError(f"TP rank {e.error_index} failed:\n{e}") from None
+            raise ReshapeError(f"rank {e.error_index} failed:\n{e}") from None
         except mp.ProcessExitedException as e:
-            raise ReshapeError(f"TP rank {e.error_index} died (exit code {e.exit_code})") from None
+            raise ReshapeError(f"rank {e.error_index} died (exit code {e.exit_code})") from None
         if verify:
-            _verify(ckpt, Checkpoint(resolve_checkpoint(tmp)), model_only)
-    print(f"wrote {dst / src_dir.name} (TP={tp}, step {ckpt.step}"
+            _verify(ckpt, Checkpoint(resolve_checkpoint(tmp)), rows)
+    print(f"wrote {dst / src_dir.name} ({target.describe()}, step {ckpt.step}"
           f"{', model only' if model_only else ''})")
 
 
-def _verify(src: Checkpoint, dst: Checkpoint, model_only: bool) -> None:
-    """Every tensor of DST (and every model tensor of SRC) bitwise equal in both."""
-    keys = set(dst.tensors) | {k for k in src.tensors if not (model_only and is_optimizer_key(k))}
-    bad = [d for d in compare(src, dst, keys) if d.problem]
+def _verify(src: Checkpoint, dst: Checkpoint, rows: list[PlanRow]) -> None:
+    """Every tensor of DST bitwise equal to its source (renamed optimizer state to the source's
+    name, master weights added to the model weights), and DST holds nothing else."""
+    pairs = {row.target_key: row.key or model_key(row.target_key) for row in rows
+             if row.target_key is not None}
+    bad = [f"{key}: not written" for key in sorted(set(pairs) - set(dst.tensors))]
+    bad += [f"{key}: not planned" for key in sorted(set(dst.tensors) - set(pairs))]
+    for key, source_key in sorted(pairs.items()):
+        if key in dst.tensors:
+            a, b = src.read(source_key), dst.read(key)
+            if a.dtype != b.dtype:
+                bad.append(f"{key}: {b.dtype}, source {source_key} {a.dtype}")
+            elif not bitwise_equal(a, b):
+                bad.append(f"{key}: differs from the source's {source_key}")
     if bad:
-        raise ReshapeError("verification failed; nothing written:\n  "
-                           + "\n  ".join(f"{d.key}: {d.problem}" for d in bad))
-    models = sum(not is_optimizer_key(k) for k in keys)
-    print(f"verified: {len(keys)} tensors ({models} model) bitwise equal to the source")
+        raise ReshapeError("verification failed; nothing written:\n  " + "\n  ".join(bad))
+    models = sum(not is_optimizer_key(k) for k in pairs)
+    print(f"verified: {len(pairs)} tensors ({models} model) bitwise equal to the source")
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "reshape", help="rewrite a checkpoint for another tensor-parallel size",
-        description="Rewrite a training checkpoint for TP=N: checks that the model fits TP=N "
-                    "(heads, query groups, MLP size, vocabulary padding), then N CPU processes "
-                    "build the model at TP=N from the saved config, load SRC and save DST, a "
-                    "checkpoints root that `python -m trainer checkpoint.load=DST parallel.tp=N` "
-                    "resumes from. Needs no GPU. DST appears only when complete.")
+        "reshape", help="rewrite a checkpoint for another TP / PP size or optimizer format",
+        description="Rewrite a training checkpoint for TP=N x PP=M and an optimizer format "
+                    "(each defaults to the source's): checks that the model fits (layers per "
+                    "stage, heads, query groups, MLP size, vocabulary padding), then N x M CPU "
+                    "processes build the model chunks of that layout from the saved config, "
+                    "load SRC and save DST, a checkpoints root that `python -m trainer "
+                    "checkpoint.load=DST parallel.tp=N parallel.pp=M "
+                    "[parallel.distributed_optimizer=...]` resumes from. Needs no GPU. DST "
+                    "appears only when complete.")
     p.add_argument("src", help=CHECKPOINT_HELP)
     add_destination_arguments(p, "the new checkpoints root")
-    p.add_argument("--target-tp", type=int, required=True, metavar="N", help="the new TP size")
+    p.add_argument("--target-tp", type=int, metavar="N", help="the new TP size")
+    p.add_argument("--target-pp", type=int, metavar="M", help="the new number of pipeline stages")
+    p.add_argument("--target-dist-opt", type=_on_off, metavar="on|off",
+                   help="the optimizer state in the distributed optimizer's format (on) or the "
+                        "plain one (off)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (each tensor's shard shape before and after) and write "
-                        "nothing")
+                   help="print the plan (every tensor's shards, ranks and offsets before and "
+                        "after) and write nothing")
     p.add_argument("--model-only", action="store_true",
                    help="write model weights only (no optimizer or scheduler: not resumable)")
     p.add_argument("--verify", action="store_true",
@@ -269,6 +303,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    reshape(args.src, args.dst, args.target_tp, dry_run=args.dry_run, overwrite=args.overwrite,
-            model_only=args.model_only, verify=args.verify)
+    reshape(args.src, args.dst, args.target_tp, pp=args.target_pp,
+            distributed_optimizer=args.target_dist_opt, dry_run=args.dry_run,
+            overwrite=args.overwrite, model_only=args.model_only, verify=args.verify)
     return 0

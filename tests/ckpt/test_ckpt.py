@@ -274,3 +274,23 @@ def test_a_bf16_checkpoint_reshapes_on_cpu_keeping_its_dtypes(root: Path, tmp_pa
     assert tensors["embedding.word_embeddings.weight"].dtype == torch.bfloat16
     assert tensors["optimizer.state.fp32_param.embedding.word_embeddings.weight"].dtype == \
         torch.float32
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_reshapes_to_the_distributed_optimizer_format(root: Path,
+                                                                         tmp_path: Path,
+                                                                         capsys) -> None:
+    """Its fp32 master weights become the distributed optimizer's `param` (bit for bit), the
+    step moves into the param groups."""
+    bf16 = bf16_copy(root, tmp_path / "bf16")
+    code, out = ckpt_main(["reshape", bf16, tmp_path / "dist", "--target-dist-opt", "on",
+                           "--verify"], capsys)
+    assert code == 0 and "verified: 32 tensors (8 model) bitwise equal" in out, out
+    written = Checkpoint(resolve_checkpoint(tmp_path / "dist"))
+    master = "optimizer.state.param.embedding.word_embeddings.weight"
+    assert written.tensors[master].dtype == torch.float32
+    assert not [k for k in written.tensors if k.startswith("optimizer.state.fp32_param.")]
+    optimizer = written.common["optimizer"]
+    assert optimizer["param_state_sharding_type"] == "fully_reshardable"
+    assert {g["step"] for g in optimizer["optimizer"]["param_groups"]} == {4.0}
+    assert written.extra["layout"]["distributed_optimizer"] is True
