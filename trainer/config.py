@@ -108,7 +108,7 @@ class EvalConfig:
     # Multi-key retrieval in held-out corpus text (trainer/retrieval.py); 0 trials: skipped
     multikey_trials: int = 10  # per (length, depth) cell
     multikey_keys: int = 4  # needles per prompt: the asked one and keys - 1 distractors
-    perplexity_windows: int = 8  # validation windows per length
+    perplexity_windows: int = 8  # windows of the longest length; shorter lengths tile the same text
     trained_length: int | None = None  # position buckets 0, T, 2T, ...; None: the checkpoint's
     batch_size: int = 4
     seed: int = 0

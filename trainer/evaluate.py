@@ -117,15 +117,21 @@ def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: li
                          windows: int, batch_size: int, vocab_size: int,
                          device: torch.device,
                          trained_length: int | None = None) -> list[PerplexityPoint]:
-    """Mean next-token loss on the first `windows` non-overlapping windows of each length, in
-    total and per position bucket (`bucket_edges`); the buckets' token-weighted mean is the
-    total."""
+    """Mean next-token loss at each length, in total and per position bucket (`bucket_edges`;
+    the buckets' token-weighted mean is the total).
+
+    Every length predicts the same tokens: the first `windows` x max(lengths) of the stream, cut
+    into non-overlapping windows of that length. Only the context each token sees changes
+    between lengths, so the lengths compare with each other (windows of their own text would
+    mix a change of text into the change of length)."""
+    longest = max(lengths)
+    region = min(windows, (len(stream) - 1) // longest) * longest
+    if region == 0:
+        raise UserError(f"validation stream ({len(stream)} tokens) is shorter than eval "
+                        f"length {longest}; lower eval.lengths or use more data")
     points = []
     for length in tqdm(lengths, desc="perplexity", leave=False):
-        n = min(windows, (len(stream) - 1) // length)
-        if n == 0:
-            raise UserError(f"validation stream ({len(stream)} tokens) is shorter than eval "
-                             f"length {length}; lower eval.lengths or use more data")
+        n = region // length
         per_position = torch.zeros(length, dtype=torch.float64)  # loss summed over windows
         for start in range(0, n, batch_size):
             rows = range(start, min(start + batch_size, n))

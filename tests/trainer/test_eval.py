@@ -98,8 +98,20 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size() -> None:
     uniform = lambda tokens, positions, mask: torch.zeros(*tokens.shape, 384)  # noqa: E731
     points = perplexity_by_length(uniform, np.arange(1000) % 257, [64, 128], windows=3,
                                   batch_size=2, vocab_size=257, device=torch.device("cpu"))
-    assert [p.windows for p in points] == [3, 3]
+    assert [p.windows for p in points] == [6, 3]  # 3 windows of the longest length, tiled
     assert all(p.perplexity == pytest.approx(257, rel=1e-5) for p in points)
+
+
+def test_every_length_predicts_the_same_tokens() -> None:
+    """A model that sees no context (logits from the current token alone) scores every length
+    alike only if every length is measured on the same text."""
+    table = torch.randn(257, 384, generator=torch.Generator().manual_seed(0))
+    bigram = lambda tokens, positions, mask: table[tokens]  # noqa: E731
+    stream = np.random.default_rng(1).integers(0, 257, 5000)
+    points = perplexity_by_length(bigram, stream, [32, 64, 256], windows=4, batch_size=8,
+                                  vocab_size=257, device=torch.device("cpu"))
+    assert [p.windows for p in points] == [32, 16, 4]
+    assert all(p.perplexity == pytest.approx(points[0].perplexity, rel=1e-9) for p in points)
 
 
 class _NoSweep:
