@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from parallel.distributed import init_process_group, resolve_device
 from trainer.config import CONF_DIR, register_configs
-from trainer.entry import exits_on_user_error
+from trainer.entry import check_overrides, exits_on_user_error
 
 register_configs()
 # Long-context steps allocate a few huge activation blocks; expandable segments keep the caching
@@ -63,6 +63,7 @@ def run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_overrides(sys.argv[1:])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _agree_on_run_dir()
     else:

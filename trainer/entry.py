@@ -39,6 +39,44 @@ def report_user_error(err: BaseException) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def check_overrides(argv: list[str], config_name: str = "config") -> None:
+    """Compose the config from the command line's overrides before Hydra runs the job, so that a
+    misspelt key, a wrong type or an unknown config group ends as one `error:` line with exit
+    status 2 instead of Hydra's multi-line report with status 1. Command lines with Hydra flags
+    (`-m`, `--help`, `--cfg`, ...) go to Hydra unchecked."""
+    if any(arg.startswith("-") for arg in argv) or debug_requested():
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.config import CONF_DIR
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            compose(config_name, overrides=argv)
+    except (HydraException, OmegaConfBaseException) as err:
+        report_user_error(UserError(f"{_hydra_message(err)} (python -m trainer --help lists "
+                                    "the config groups)"))
+        sys.exit(2)
+
+
+def _hydra_message(err: BaseException) -> str:
+    """Hydra's and omegaconf's message and its causes on one line, without omegaconf's node
+    bookkeeping (full_key, reference_type, ...) and Hydra's search path."""
+    parts: list[str] = []
+    while err is not None:
+        for line in str(err).splitlines():
+            line = line.strip()
+            if line.startswith("Config search path"):
+                break
+            if line and not line.startswith(("full_key:", "reference_type=", "object_type=",
+                                              "provider=")) and line not in parts:
+                parts.append(line)
+        err = err.__cause__
+    return " ".join(parts)
+
+
 def exits_on_user_error(func: Callable[..., T]) -> Callable[..., T]:
     """Wrap an entry point (inside `@hydra.main`, so Hydra never sees the error): a user error
     prints one line and exits with status 2; SystemExit passes through Hydra's error reporting."""

@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import CONF_DIR, DataConfig, check_known_keys, register_configs
-from trainer.entry import exits_on_user_error
+from trainer.entry import check_overrides, exits_on_user_error
 from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
 from trainer.validate import check_model, validate_eval
 
@@ -235,6 +235,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])
     if not any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:]):
         sys.argv.append("hydra.job.name=eval")  # eval.log, not train.log
     main()

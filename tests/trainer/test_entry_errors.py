@@ -79,3 +79,18 @@ def test_a_bug_keeps_its_traceback() -> None:
     with pytest.raises(SystemExit) as info:
         mistaken()
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(("module", "override", "words"), [
+    ("trainer", "trainer.max_step=5", "Key 'max_step' not in 'TrainerConfig'"),
+    ("trainer", "trainer.max_steps=abc", "'abc' of type 'str' could not be converted"),
+    ("trainer", "+attention=dac", "Could not find 'attention/dac'"),
+    ("trainer.eval", "model=gpt_7b", "Available options in 'model': gpt_125m"),
+])
+def test_config_composition_errors_are_one_line(tmp_path: Path, module: str, override: str,
+                                                words: str) -> None:
+    """A misspelt key, a wrong type or an unknown config group, found by Hydra's composition
+    before any job runs: one `error:` line, exit 2, no directory written."""
+    proc = _run(module, ["logger=none", override], tmp_path)
+    _assert_one_error_line(proc, words)
+    assert not any(tmp_path.iterdir())
