@@ -71,8 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--max-documents", type=int,
                    help="embedded corpus documents, or --corpus files (default all)")
-    p.add_argument("--corpus", type=Path, help="train on the text files under this directory "
-                   "instead of the embedded corpus")
+    p.add_argument("--corpus", type=Path, action="append", metavar="DIR",
+                   help="train on the text files under DIR instead of the embedded corpus "
+                   "(repeat to add directories)")
     p.add_argument("--corpus-glob", default="*.py,*.md,*.txt,*.rst",
                    help="comma-separated file-name patterns for --corpus")
     p.add_argument("--tokenizer-sample-mb", type=float, default=32.0,

@@ -15,6 +15,7 @@ from typing import Any
 from trainer.corpus_files import collect_files, parse_patterns
 
 DEFAULT_VALID_FRACTION = 0.05  # DataConfig's default: kept when it already holds enough
+MANY_EPOCHS = 2.0  # more passes over the corpus text than this are worth a warning
 LISTING = "corpus_files.txt"  # in --work: the files a --corpus run's dataset holds
 
 
@@ -55,7 +56,7 @@ def embedded_tokenizer(path: Path, vocab: int, max_documents: int | None) -> Non
 class Corpus:
     """A --corpus dataset and the facts results.json's meta records about it."""
 
-    directory: str
+    directories: list[str]
     globs: list[str]
     files: int
     bytes: int
@@ -80,24 +81,36 @@ class Corpus:
         return asdict(self)
 
 
-def build_corpus(directory: Path, globs: str, work: Path, vocab: int, sample_mb: float,
+def build_corpus(directories: list[Path], globs: str, work: Path, vocab: int, sample_mb: float,
                  max_files: int | None, min_valid_tokens: int,
                  run: Callable[[str, list[str], Path], None]) -> Corpus:
-    """Collect DIR's files, train the tokenizer on them (a bounded sample when they are large),
-    build `work/corpus` with `python -m trainer.build_data --files-from` (through `run`), and
-    choose data.valid_fraction so that the validation split holds `min_valid_tokens` when the
-    corpus allows. A rerun with the same `work` reuses the tokenizer and the dataset (refused
-    if the files differ)."""
+    """Collect the directories' files, train the tokenizer on them (a bounded sample when they
+    are large), build `work/corpus` with `python -m trainer.build_data --files-from` (through
+    `run`), and choose data.valid_fraction so that the validation split holds
+    `min_valid_tokens` when the corpus allows. A rerun with the same `work` reuses the tokenizer
+    and the dataset (refused if the files differ)."""
     from trainer.data import indexed_valid_fraction
 
     patterns = parse_patterns(globs)
-    found = collect_files(directory, patterns, max_files)
-    print(f"corpus: {found.describe()}, patterns {','.join(patterns)}", flush=True)
-    if not found.files:
-        fail(f"--corpus {directory}: no readable UTF-8 file matches --corpus-glob {globs}; "
-             "name another directory or other patterns")
+    roots = [d.resolve() for d in directories]
+    nested = [f"{a} in {b}" for a in roots for b in roots if a != b and a.is_relative_to(b)]
+    if nested or len(set(roots)) < len(roots):
+        fail(f"--corpus: directories overlap ({', '.join(nested) or 'given twice'}), so files "
+             "would be read twice; give each directory once and none inside another")
+    found = []
+    for directory in directories:  # each directory's files in order, the directories in turn
+        left = None if max_files is None else max_files - sum(len(c.files) for c in found)
+        if left is not None and left <= 0:
+            break
+        found.append(collect_files(directory, patterns, left))
+        print(f"corpus: {found[-1].describe()}, patterns {','.join(patterns)}", flush=True)
+    files = [p for c in found for p in c.files]
+    total = sum(c.bytes for c in found)
+    if not files:
+        fail(f"--corpus {' '.join(map(str, directories))}: no readable UTF-8 file matches "
+             f"--corpus-glob {globs}; name another directory or other patterns")
     listing, tokenizer, prefix = work / LISTING, work / "tokenizer.json", work / "corpus"
-    text = "".join(f"{p}\n" for p in found.files)
+    text = "".join(f"{p}\n" for p in files)
     if listing.is_file() and listing.read_text(encoding="utf-8") != text:
         fail(f"--work {work} holds a dataset of other files ({listing}); give another --work, "
              "or delete it to start over")
@@ -108,14 +121,15 @@ def build_corpus(directory: Path, globs: str, work: Path, vocab: int, sample_mb:
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, listing)
 
-    sample = found.sample(int(sample_mb * 1e6))
+    # Each directory gives its share of the sample, by bytes.
+    sample = [p for c in found for p in c.sample(int(sample_mb * 1e6 * c.bytes / total))]
     sample_bytes = sum(p.stat().st_size for p in sample)
     if tokenizer.is_file():
         print(f"reusing {tokenizer}", flush=True)
     else:
-        share = "all of them" if len(sample) == len(found.files) else (
-            f"a sample: {len(sample)} of {len(found.files)} files, {sample_bytes / 1e6:.1f} of "
-            f"{found.bytes / 1e6:.1f} MB, spread over the corpus by a hash of the path "
+        share = "all of them" if len(sample) == len(files) else (
+            f"a sample: {len(sample)} of {len(files)} files, {sample_bytes / 1e6:.1f} of "
+            f"{total / 1e6:.1f} MB, spread over the corpus by a hash of the path "
             "(--tokenizer-sample-mb)")
         print(f"training a {vocab}-token BPE tokenizer on {share} -> {tokenizer}", flush=True)
         train_tokenizer(tokenizer, vocab, (p.read_text(encoding="utf-8") for p in sample))
@@ -129,7 +143,8 @@ def build_corpus(directory: Path, globs: str, work: Path, vocab: int, sample_mb:
     built = json.loads(Path(f"{prefix}.meta.json").read_text())
     needed = indexed_valid_fraction(str(prefix), min_valid_tokens)
     fraction = 0.5 if needed is None else max(DEFAULT_VALID_FRACTION, needed)
-    return Corpus(str(found.root), patterns, len(found.files), found.bytes, found.skipped,
+    skipped = {why: sum(c.skipped[why] for c in found) for why in found[0].skipped}
+    return Corpus([str(c.root) for c in found], patterns, len(files), total, skipped,
                   len(sample), sample_bytes, str(prefix), built["documents"], built["tokens"],
                   min_valid_tokens, fraction)
 
@@ -152,3 +167,7 @@ def count_epochs(corpus: Corpus, tokenizer: Path, seq: int, samples: int,
           flush=True)
     print(f"training: {samples} samples = {corpus.epochs:.2f} epochs of the training split "
           f"(passkey examples replace {passkey_fraction:.0%} of the samples)", flush=True)
+    passes = corpus.epochs * (1 - passkey_fraction)
+    if passes > MANY_EPOCHS:
+        print(f"WARNING: the model will see each corpus token ~{passes:.1f} times; add --corpus "
+              "directories for a larger corpus", flush=True)

@@ -85,6 +85,9 @@ def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
         (src / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
         (src / f"pkg{i % 3}" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
     (src / "skip.bin").write_text("not matched")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "z.py").write_text("z = 1\n")
     calls = []
 
     def run(module: str, argv: list[str], log: Path) -> None:
@@ -94,8 +97,10 @@ def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     need = 3000
-    corpus = extrapolation_corpus.build_corpus(src, "*.py", work, 300, 0.002, None, need, run)
-    assert (corpus.files, corpus.documents) == (40, 40)
+    corpus = extrapolation_corpus.build_corpus([src, extra], "*.py", work, 300, 0.002, None,
+                                               need, run)
+    assert (corpus.files, corpus.documents) == (41, 41)
+    assert corpus.directories == [str(src.resolve()), str(extra.resolve())]
     assert 0 < corpus.tokenizer_files < 40 and corpus.tokenizer_bytes <= 2000  # the sample
     assert corpus.valid_fraction > extrapolation_corpus.DEFAULT_VALID_FRACTION
     _, valid, _ = build_datasets("indexed", corpus.prefix, str(work / "tokenizer.json"), 64,
@@ -105,8 +110,13 @@ def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
     assert corpus.valid_tokens == len(valid.stream) and corpus.epochs == 100 / corpus.train_samples
     assert "data.name=indexed" in corpus.overrides()
 
-    again = extrapolation_corpus.build_corpus(src, "*.py", work, 300, 0.002, None, need, run)
+    again = extrapolation_corpus.build_corpus([src, extra], "*.py", work, 300, 0.002, None,
+                                              need, run)
     assert calls == ["trainer.build_data"] and again.valid_fraction == corpus.valid_fraction
     with pytest.raises(SystemExit) as exc:  # other files into the same --work
-        extrapolation_corpus.build_corpus(src, "*.py", work, 300, 0.002, 10, need, run)
+        extrapolation_corpus.build_corpus([src], "*.py", work, 300, 0.002, None, need, run)
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:  # a directory inside another: files read twice
+        extrapolation_corpus.build_corpus([src, src / "pkg1"], "*.py", tmp_path / "w2", 300,
+                                          0.002, None, need, run)
+    assert exc.value.code == 2 and calls == ["trainer.build_data"]
