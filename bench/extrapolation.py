@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--passkey-fraction", type=float, default=0.5,
                    help="share of training samples that are passkey examples at T")
     p.add_argument("--methods", help="comma-separated subset of the training-free methods "
-                   "(default all: " + ",".join(METHODS) + ")")
+                   "(default all: " + ",".join(METHODS) + "), or none")
     p.add_argument("--irope", action="store_true", help="also train chunked + global layers")
     p.add_argument("--dca-finetune-steps", type=int, default=0)
     p.add_argument("--group", default=f"extrapolation-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -181,6 +181,8 @@ def evaluations(args: argparse.Namespace) -> dict[str, list[str]]:
         "dca+log": dca + ["attention.dca_scaling=log"],
         "dca+yarn": dca + ["attention.dca_scaling=yarn"],
     }
+    if args.methods == "none":  # only --irope / --dca-finetune-steps
+        return {}
     chosen = args.methods.split(",") if args.methods else list(METHODS)
     unknown = sorted(set(chosen) - set(every))
     if unknown:

@@ -72,6 +72,9 @@ def test_smoke_arguments_stay_small() -> None:
     args = extrapolation.parse_args(["--smoke", "--out", "/tmp/x/out"])
     assert (args.model, args.seq, args.lengths) == ("tiny", 128, "1,2")
     assert args.work == Path("/tmp/x/out-work")
+    assert list(extrapolation.evaluations(args)) == list(extrapolation.METHODS)
+    none = extrapolation.parse_args(["--out", "/tmp/x/out", "--methods", "none"])
+    assert extrapolation.evaluations(none) == {}
 
 
 def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
