@@ -1,12 +1,17 @@
 """Which method runs a model at N times its trained length? (issue 17 items 4-5)
 
-One command trains a BPE tokenizer on the embedded corpus, trains a model at T for a wall-time
+One command trains a BPE tokenizer on the training corpus, trains a model at T for a wall-time
 budget, evaluates the checkpoint with every training-free method at T..16T with
 `python -m trainer.eval` (one run directory each, one wandb group), and writes results.json,
 results.md and extrapolation.png into --out:
 
     python bench/extrapolation.py --out results/extrapolation               # GPU, ~10 minutes
     python bench/extrapolation.py --smoke --out /tmp/extrap                 # CPU, toy scale
+
+The training corpus is the embedded one (the Python stdlib's sources, ~2.5M tokens), or with
+--corpus DIR every --corpus-glob file under DIR (e.g. the machine's site-packages), written as a
+megatron indexed dataset by `python -m trainer.build_data` with a validation share large enough
+for the evaluation's perplexity windows at the longest length (bench/extrapolation_corpus.py).
 
 Methods: standard RoPE, PI, NTK-aware, YaRN (each with factor s = length / T, one eval run per
 length: `+extrapolation=...`), DCA (chunk T, local T/8) plain and with `attention.dca_scaling`
@@ -37,8 +42,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
+from extrapolation_corpus import (  # noqa: E402
+    LISTING,
+    Corpus,
+    build_corpus,
+    count_epochs,
+    embedded_tokenizer,
+    fail,
+)
 from extrapolation_report import collect, write  # noqa: E402
 
+PERPLEXITY_WINDOWS = {False: 8, True: 2}  # eval.perplexity_windows, by --smoke
 METHODS = ("standard", "pi", "ntk", "yarn", "dca", "dca+log", "dca+yarn")
 
 
@@ -55,14 +69,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-steps", type=int, default=12)
     p.add_argument("--lr", type=float, default=6e-4, help="peak lr, cosine to lr/10")
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--max-documents", type=int, help="embedded corpus documents (default all)")
+    p.add_argument("--max-documents", type=int,
+                   help="embedded corpus documents, or --corpus files (default all)")
+    p.add_argument("--corpus", type=Path, action="append", metavar="DIR",
+                   help="train on the text files under DIR instead of the embedded corpus "
+                   "(repeat to add directories)")
+    p.add_argument("--corpus-glob", default="*.py,*.md,*.txt,*.rst",
+                   help="comma-separated file-name patterns for --corpus")
+    p.add_argument("--tokenizer-sample-mb", type=float, default=32.0,
+                   help="train the BPE tokenizer on at most this much of --corpus")
     p.add_argument("--lengths", default="1,2,4,8,16", help="multiples of T")
     p.add_argument("--trials", type=int, default=10, help="per (length, depth); 5 depths")
     p.add_argument("--eval-batch", type=int, default=4)
     p.add_argument("--passkey-fraction", type=float, default=0.5,
                    help="share of training samples that are passkey examples at T")
     p.add_argument("--methods", help="comma-separated subset of the training-free methods "
-                   "(default all: " + ",".join(METHODS) + ")")
+                   "(default all: " + ",".join(METHODS) + "), or none")
     p.add_argument("--irope", action="store_true", help="also train chunked + global layers")
     p.add_argument("--dca-finetune-steps", type=int, default=0)
     p.add_argument("--group", default=f"extrapolation-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -76,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.minutes, args.probe_steps, args.vocab, args.max_documents = 0.05, 3, 512, 40
         args.lengths, args.trials, args.eval_batch, args.no_wandb = "1,2", 1, 2, True
         args.irope, args.dca_finetune_steps = True, max(args.dca_finetune_steps, 3)
-    args.work = args.work or args.out.parent / f"{args.out.name}-work"
+    # Absolute: the trainer runs from the repository root, not the caller's directory.
+    args.work = (args.work or args.out.parent / f"{args.out.name}-work").resolve()
     return args
 
 
@@ -107,28 +130,11 @@ def train(overrides: list[str], run_dir: Path) -> Path:
     return ckpt
 
 
-def train_tokenizer(path: Path, vocab: int, max_documents: int | None) -> None:
-    """Byte-level BPE on the embedded corpus; eod is `<|endoftext|>` (JsonTokenizer's)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from trainer.data import embedded_corpus
-
-    texts = [text for _, text in embedded_corpus(max_documents=max_documents)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
-
-
-def common(args: argparse.Namespace, tokenizer: Path) -> list[str]:
+def common(args: argparse.Namespace, tokenizer: Path, corpus: Corpus | None) -> list[str]:
     data = [f"data.tokenizer={tokenizer}"]
-    if args.max_documents:
+    if corpus:
+        data += corpus.overrides()
+    elif args.max_documents:
         data.append(f"data.max_documents={args.max_documents}")
     return data + (["logger=none"] if args.no_wandb else [f"logger.group={args.group}"])
 
@@ -175,10 +181,12 @@ def evaluations(args: argparse.Namespace) -> dict[str, list[str]]:
         "dca+log": dca + ["attention.dca_scaling=log"],
         "dca+yarn": dca + ["attention.dca_scaling=yarn"],
     }
+    if args.methods == "none":  # only --irope / --dca-finetune-steps
+        return {}
     chosen = args.methods.split(",") if args.methods else list(METHODS)
     unknown = sorted(set(chosen) - set(every))
     if unknown:
-        sys.exit(f"error: --methods: unknown {unknown}; choose from {','.join(METHODS)}")
+        fail(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
     return {name: every[name] for name in chosen}
 
 
@@ -191,7 +199,7 @@ def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
     overrides = base + [f"checkpoint.load={ckpt}", f"eval.depths={depths}",
                         f"eval.passkey_trials={args.trials}", f"eval.multikey_trials={args.trials}",
                         f"eval.batch_size={args.eval_batch}", f"eval.trained_length={args.seq}",
-                        f"eval.perplexity_windows={2 if args.smoke else 8}",
+                        f"eval.perplexity_windows={PERPLEXITY_WINDOWS[args.smoke]}",
                         f"eval.multikey_keys={1 if args.smoke else 4}", *extra]
     if any(o.startswith("+extrapolation=") for o in extra):
         longer = [n for n in lengths if n > args.seq]
@@ -221,17 +229,29 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     lengths = [int(float(m) * args.seq) for m in args.lengths.split(",")]
     tokenizer = args.work / "tokenizer.json"
-    if not tokenizer.is_file():
-        print(f"training a {args.vocab}-token BPE tokenizer -> {tokenizer}", flush=True)
-        train_tokenizer(tokenizer, args.vocab, args.max_documents)
-    base = common(args, tokenizer)
+    windows = PERPLEXITY_WINDOWS[args.smoke]
+    corpus = None
+    if args.corpus:
+        longest = max(lengths)  # trainer.eval needs its windows and the multi-key filler
+        corpus = build_corpus(args.corpus, args.corpus_glob, args.work, args.vocab,
+                              args.tokenizer_sample_mb, args.max_documents,
+                              max(windows * longest + 1, 2 * longest + 64), run)
+    elif (args.work / LISTING).is_file():
+        fail(f"--work {args.work} holds a --corpus run ({args.work / LISTING}); give another "
+             "--work for the embedded corpus, or --corpus again")
+    else:
+        embedded_tokenizer(tokenizer, args.vocab, args.max_documents)
+    base = common(args, tokenizer, corpus)
     steps = probe_steps(args, base)
+    if corpus:
+        count_epochs(corpus, tokenizer, args.seq, steps * args.batch, args.passkey_fraction)
     ckpt = train(base + train_overrides(args, steps), args.work / "train")
     meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
             "lr": args.lr, "vocab": args.vocab, "passkey_fraction": args.passkey_fraction,
             "lengths": lengths, "trials": args.trials,
             "wandb_group": None if args.no_wandb else args.group, "smoke": args.smoke,
-            "command": " ".join(sys.argv)}
+            "command": " ".join(sys.argv),
+            "corpus": corpus.meta() if corpus else "embedded (Python stdlib sources)"}
     runs: dict[str, list[Path]] = {}
 
     def publish() -> None:

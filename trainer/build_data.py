@@ -1,6 +1,8 @@
 """Build a megatron indexed dataset (.bin/.idx) from text and JSONL files.
 
     python -m trainer.build_data corpus.jsonl notes/*.txt --output-prefix data/mycorpus
+    python -m trainer.build_data src/ --glob '*.py,*.md' --output-prefix data/code
+    python -m trainer.build_data --files-from files.txt --output-prefix data/mycorpus
 
 Train on it with `data.name=indexed data.path=data/mycorpus` (and the same `data.tokenizer`).
 """
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.corpus_files import DEFAULT_PATTERNS, collect_files, parse_patterns
 from trainer.entry import USER_ERRORS, debug_requested, report_user_error
 from trainer.errors import UserError
 from trainer.tokenizer import load_tokenizer
@@ -34,9 +37,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "is followed by the tokenizer's end-of-document id.",
         epilog="Files ending in .jsonl hold one JSON object per line, one document each (the "
                "--text-key field); any other file is one UTF-8 text document. Documents are "
-               "written in the order given.")
-    parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
-                        help="text or .jsonl files")
+               "written in the order given. A directory INPUT stands for its files matching "
+               "--glob, sorted by relative path; its unreadable, non-UTF-8 and empty files are "
+               "skipped (a named file that is not UTF-8 is an error).")
+    parser.add_argument("inputs", nargs="*", type=Path, metavar="INPUT",
+                        help="text or .jsonl files, or directories")
+    parser.add_argument("--files-from", type=Path, metavar="LIST",
+                        help="a file naming one input file per line, relative to the working "
+                             "directory (read after the INPUTs; for more files than a command "
+                             "line holds)")
+    parser.add_argument("--glob", default=",".join(DEFAULT_PATTERNS),
+                        help="comma-separated file-name patterns for directory inputs "
+                             "(default: %(default)s)")
     parser.add_argument("--output-prefix", required=True,
                         help="output path without extension, e.g. data/mycorpus")
     parser.add_argument("--tokenizer", default="byte",
@@ -48,6 +60,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing dataset at the output prefix")
     return parser.parse_args(argv)
+
+
+def expand_inputs(inputs: list[Path], files_from: Path | None = None,
+                  patterns: list[str] | None = None) -> list[Path]:
+    """The input files in order: each INPUT (a directory: its `collect_files`), then the
+    --files-from list's lines (blank lines ignored)."""
+    files: list[Path] = []
+    for path in inputs:
+        if path.is_dir():
+            corpus = collect_files(path, patterns or DEFAULT_PATTERNS)
+            print(f"{path}: {corpus.describe()}", file=sys.stderr)
+            files += corpus.files
+        else:
+            files.append(path)
+    if files_from is not None:
+        if not files_from.is_file():
+            raise FileNotFoundError(f"--files-from: no file {files_from}")
+        files += [Path(line) for line in files_from.read_text(encoding="utf-8").splitlines()
+                  if line.strip()]
+    if not files:
+        raise UserError("no input files: name files or directories, or --files-from LIST")
+    return files
 
 
 def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
@@ -141,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     args = _parse_args(argv)
     try:
-        summary = build(args.inputs, args.output_prefix, args.tokenizer, args.text_key,
+        inputs = expand_inputs(args.inputs, args.files_from, parse_patterns(args.glob))
+        summary = build(inputs, args.output_prefix, args.tokenizer, args.text_key,
                         args.overwrite)
     except USER_ERRORS as err:
         if debug_requested():

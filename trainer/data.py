@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import sysconfig
@@ -26,7 +27,8 @@ from trainer.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, load_toke
 
 __all__ = [
     "ByteTokenizer", "JsonTokenizer", "load_tokenizer", "embedded_corpus", "TokenStreamDataset",
-    "IndexedTokenStream", "build_datasets", "DataIterator", "validation_batches",
+    "IndexedTokenStream", "build_datasets", "indexed_valid_fraction", "DataIterator",
+    "validation_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,35 @@ def split_by_hash(u: np.ndarray, valid_fraction: float) -> tuple[np.ndarray, np.
     if len(u) >= 1 and valid.all():
         valid[np.argmax(u)] = False
     return np.flatnonzero(~valid), np.flatnonzero(valid)
+
+
+def smallest_valid_fraction(u: np.ndarray, doc_tokens: np.ndarray, min_tokens: int,
+                            step: float = 1e-4) -> float | None:
+    """The smallest multiple of `step` above min(u) whose `split_by_hash(u, fraction)`
+    validation documents hold at least `min_tokens` tokens (`doc_tokens[i]`: document i's), or
+    None when none does (the corpus is too small). Validation is then the documents of lowest u
+    that together reach `min_tokens`, plus any whose u falls in the same `step`."""
+    order = np.argsort(u, kind="stable")
+    k = int(np.searchsorted(np.cumsum(doc_tokens[order]), min_tokens))  # first cum >= min
+    if k >= len(u) - 1:
+        return None
+    fraction = round((math.floor(u[order[k]] / step) + 1) * step, 10)  # > u of document k
+    if fraction >= 1.0:
+        return None
+    valid = split_by_hash(u, fraction)[1]  # may move one document back to training
+    return fraction if doc_tokens[valid].sum() >= min_tokens else None
+
+
+def indexed_valid_fraction(path: str, min_tokens: int) -> float | None:
+    """`smallest_valid_fraction` for the indexed dataset at prefix `path` (data.name=indexed,
+    no data.max_documents)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(path)
+    seq_bounds = np.concatenate([[0], np.cumsum(ds.sequence_lengths, dtype=np.int64)])
+    doc_bounds = np.asarray(ds.document_indices, dtype=np.int64)  # sequence index per document
+    doc_tokens = seq_bounds[doc_bounds[1:]] - seq_bounds[doc_bounds[:-1]]
+    return smallest_valid_fraction(_hash_ids(np.arange(len(doc_tokens))), doc_tokens, min_tokens)
 
 
 class IndexedTokenStream:

@@ -12,7 +12,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import extrapolation  # noqa: E402
+import extrapolation_corpus  # noqa: E402
 import extrapolation_report  # noqa: E402
+import pytest  # noqa: E402
 
 
 def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_path: Path) -> None:
@@ -20,7 +22,7 @@ def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_pa
     from trainer.tokenizer import load_tokenizer
 
     path = tmp_path / "tokenizer.json"
-    extrapolation.train_tokenizer(path, 300, max_documents=3)
+    extrapolation_corpus.embedded_tokenizer(path, 300, max_documents=3)
     tok = load_tokenizer(str(path))
     assert tok.vocab_size == 300
     assert tok.eod == tok._tok.token_to_id("<|endoftext|>")  # in the vocabulary, not appended
@@ -70,3 +72,54 @@ def test_smoke_arguments_stay_small() -> None:
     args = extrapolation.parse_args(["--smoke", "--out", "/tmp/x/out"])
     assert (args.model, args.seq, args.lengths) == ("tiny", 128, "1,2")
     assert args.work == Path("/tmp/x/out-work")
+    assert list(extrapolation.evaluations(args)) == list(extrapolation.METHODS)
+    none = extrapolation.parse_args(["--out", "/tmp/x/out", "--methods", "none"])
+    assert extrapolation.evaluations(none) == {}
+
+
+def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
+    """--corpus: the dataset holds the directory's files, the validation split holds what the
+    evaluation needs (more than the default 5% would), and a rerun with other files is refused."""
+    from trainer.build_data import main as build_main
+    from trainer.data import build_datasets
+
+    src = tmp_path / "src"
+    for i in range(40):
+        (src / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"pkg{i % 3}" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    (src / "skip.bin").write_text("not matched")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "z.py").write_text("z = 1\n")
+    calls = []
+
+    def run(module: str, argv: list[str], log: Path) -> None:
+        calls.append(module)
+        assert module == "trainer.build_data" and build_main(argv) == 0
+
+    work = tmp_path / "work"
+    work.mkdir()
+    need = 3000
+    corpus = extrapolation_corpus.build_corpus([src, extra], "*.py", work, 300, 0.002, None,
+                                               need, run)
+    assert (corpus.files, corpus.documents) == (41, 41)
+    assert corpus.directories == [str(src.resolve()), str(extra.resolve())]
+    assert 0 < corpus.tokenizer_files < 40 and corpus.tokenizer_bytes <= 2000  # the sample
+    assert corpus.valid_fraction > extrapolation_corpus.DEFAULT_VALID_FRACTION
+    _, valid, _ = build_datasets("indexed", corpus.prefix, str(work / "tokenizer.json"), 64,
+                                 corpus.valid_fraction, seed=0)
+    assert len(valid.stream) >= need
+    extrapolation_corpus.count_epochs(corpus, work / "tokenizer.json", 64, 100, 0.5)
+    assert corpus.valid_tokens == len(valid.stream) and corpus.epochs == 100 / corpus.train_samples
+    assert "data.name=indexed" in corpus.overrides()
+
+    again = extrapolation_corpus.build_corpus([src, extra], "*.py", work, 300, 0.002, None,
+                                              need, run)
+    assert calls == ["trainer.build_data"] and again.valid_fraction == corpus.valid_fraction
+    with pytest.raises(SystemExit) as exc:  # other files into the same --work
+        extrapolation_corpus.build_corpus([src], "*.py", work, 300, 0.002, None, need, run)
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:  # a directory inside another: files read twice
+        extrapolation_corpus.build_corpus([src, src / "pkg1"], "*.py", tmp_path / "w2", 300,
+                                          0.002, None, need, run)
+    assert exc.value.code == 2 and calls == ["trainer.build_data"]
