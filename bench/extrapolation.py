@@ -24,8 +24,9 @@ takes --minutes (the schedule then decays over the whole run). --passkey-fractio
 training samples are passkey examples at T (default 0.5, as `+experiment=passkey`), so that the
 model can retrieve at T and the retrieval columns measure extrapolation, not the task.
 
-Re-running with the same --work reuses finished trainings and evaluations, and results are
-rewritten after every method, so a run cut short by a time limit keeps what it measured.
+Re-running with the same --work reuses finished trainings and evaluations and resumes a
+training cut short (checkpoints every fifth of the run); results are rewritten after every
+method, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -120,13 +121,22 @@ def run(module: str, overrides: list[str], log: Path) -> None:
 
 
 def train(overrides: list[str], run_dir: Path) -> Path:
-    """`python -m trainer` into `run_dir`, unless a finished run is there (rerunning the bench
-    with the same --work reuses its trainings; delete --work to start over)."""
+    """`python -m trainer` into `run_dir`. A finished run there is reused (rerunning the bench
+    with the same --work; delete --work to start over); a run cut short (a time limit) resumes
+    from its last checkpoint, saved every fifth of the run."""
     ckpt = run_dir / "checkpoints"
-    if (ckpt / "latest_checkpointed_iteration.txt").is_file():
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    steps = int(next(o for o in overrides if o.startswith("trainer.max_steps=")).split("=")[1])
+    saved = int(tracker.read_text()) if tracker.is_file() else 0
+    if saved >= steps:
         print(f"reusing {ckpt}", flush=True)
-    else:
-        run("trainer", overrides + [f"hydra.run.dir={run_dir}"], run_dir.with_suffix(".log"))
+        return ckpt
+    if saved:
+        print(f"resuming {ckpt} at step {saved}", flush=True)
+        overrides = [o for o in overrides if not o.startswith("checkpoint.")]
+        overrides += [f"checkpoint.load={ckpt}"]
+    run("trainer", overrides + [f"trainer.save_interval={max(1, steps // 5)}",
+                                f"hydra.run.dir={run_dir}"], run_dir.with_suffix(".log"))
     return ckpt
 
 
@@ -146,7 +156,7 @@ def train_overrides(args: argparse.Namespace, steps: int) -> list[str]:
             f"trainer.lr={args.lr:g}", f"trainer.min_lr={args.lr / 10:g}",
             f"trainer.warmup_steps={max(1, steps // 20)}", "trainer.eval_interval=0",
             f"data.passkey_fraction={args.passkey_fraction:g}",
-            "trainer.save_interval=0", f"trainer.log_interval={max(1, steps // 50)}"]
+            f"trainer.log_interval={max(1, steps // 50)}"]
 
 
 def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
@@ -166,7 +176,7 @@ def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
 
 
 def _run_probe(args: argparse.Namespace, base: list[str], d: Path) -> None:
-    run("trainer", base + train_overrides(args, args.probe_steps)[:-3] + [
+    run("trainer", base + train_overrides(args, args.probe_steps)[:-2] + [
         "trainer.eval_interval=0", "checkpoint.save=false", "trainer.log_interval=1",
         "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
 
