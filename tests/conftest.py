@@ -16,11 +16,11 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from parallel.distributed import initialize_parallel, shutdown
-from trainer.config import register_configs
+from trainer.config import CONF_DIR, register_configs
 
 register_configs()
 
@@ -40,7 +40,7 @@ FAST = [
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The run's config exactly as `python -m trainer <overrides>` composes it."""
-    with initialize_config_module(config_module="conf", version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides or [])
 
 
