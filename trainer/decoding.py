@@ -13,9 +13,10 @@ no incremental path) costs `steps` forwards of the whole prompt. Instead, `greed
    decode(x + y) starts with decode(x), trailing U+FFFD of an unfinished UTF-8 character
    aside), a prefix whose text starts with the candidate passes and one that already differs
    from it fails;
-3. continues greedy decoding, one token per forward, only for trials still undecided (the
-   prefix's text is a proper prefix of a candidate: the same digits with another split, or a
-   distractor's value), from the known prefix, until they are decided.
+3. repeats 1 for the trials still undecided (the prefix's text is a proper prefix of a
+   candidate: the same digits with another split, or a distractor's value), from the known
+   prefix, forcing the rest of the first candidate it may still become (`guess`): each round
+   adds at least greedy's next token, so it ends within `steps` rounds, as decoding would.
 
 The verdicts are greedy decoding's in exact arithmetic. In floating point, the logits at a
 position come from a forward of a longer sequence than greedy's own, which kernels may tile
@@ -42,21 +43,6 @@ def logits_of(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int) -> 
     return logits[..., :vocab_size]
 
 
-@torch.no_grad()
-def greedy_continue(model: torch.nn.Module, prompts: torch.Tensor, steps: int,
-                    vocab_size: int) -> torch.Tensor:
-    """Greedy decoding of `steps` tokens after each prompt ([b, s] -> [b, steps]).
-
-    Re-runs the whole sequence per token: no KV cache, so every attention variant is exercised
-    exactly as in training (DCA and chunked attention have no incremental path here).
-    """
-    tokens = prompts
-    for _ in range(steps):
-        nxt = logits_of(model, tokens, vocab_size)[:, -1].argmax(dim=-1, keepdim=True)
-        tokens = torch.cat([tokens, nxt], dim=1)
-    return tokens[:, prompts.shape[1]:]
-
-
 def _by_length(rows: list[list[int]]) -> dict[int, list[int]]:
     """Row indices grouped by row length: every forward is of equal-length rows, unpadded, as
     greedy decoding's own."""
@@ -68,12 +54,13 @@ def _by_length(rows: list[list[int]]) -> dict[int, list[int]]:
 
 @torch.no_grad()
 def teacher_forced_prefix(model: torch.nn.Module, prompts: list[list[int]],
-                          forced: list[list[int]], steps: int, vocab_size: int,
+                          forced: list[list[int]], steps: int | list[int], vocab_size: int,
                           device: torch.device) -> list[list[int]]:
     """Greedy's first tokens after each prompt, known exactly from one forward of prompt +
     forced tokens: forced[:k] + [greedy's token k] for the first divergence k (at most `steps`
-    tokens; all of them when greedy reproduces the forced tokens)."""
-    inputs = [f[:steps - 1] for f in forced]  # the last prediction needs no input after it
+    tokens, per prompt if a list; all of them when greedy reproduces the forced tokens)."""
+    budgets = steps if isinstance(steps, list) else [steps] * len(prompts)
+    inputs = [f[:n - 1] for f, n in zip(forced, budgets)]  # the last prediction needs no input
     rows = [p + f for p, f in zip(prompts, inputs)]
     known: list[list[int]] = [[] for _ in rows]
     for _, index in sorted(_by_length(rows).items()):
@@ -85,6 +72,13 @@ def teacher_forced_prefix(model: torch.nn.Module, prompts: list[list[int]],
             k = next((j for j, t in enumerate(inputs[i]) if predicted[j] != t), len(inputs[i]))
             known[i] = inputs[i][:k] + [predicted[k]]
     return known
+
+
+def guess(tokenizer, text: str, candidates: list[str]) -> list[int]:
+    """The rest of the first candidate that `text` may still become, canonically encoded: the
+    tokens to force next (a wrong guess costs nothing but its own divergence)."""
+    text = text.rstrip(REPLACEMENT)
+    return next((tokenizer.encode(c[len(text):]) for c in candidates if c.startswith(text)), [])
 
 
 def judge(text: str, candidates: list[str], complete: bool, prefix_stable: bool
@@ -120,9 +114,10 @@ def greedy_starts_with(model: torch.nn.Module, tokenizer, prompts: list[list[int
             verdicts[i] = judge(tokenizer.decode(known[i]), candidates[i],
                                 len(known[i]) == steps, stable)
         pending = [i for i in pending if verdicts[i] is None]
-        rows = [prompts[i] + known[i] for i in pending]
-        for _, index in sorted(_by_length(rows).items()):
-            batch = torch.tensor([rows[b] for b in index], device=device)
-            for b, token in zip(index, greedy_continue(model, batch, 1, tokenizer.vocab_size)):
-                known[pending[b]].append(int(token))
+        more = teacher_forced_prefix(
+            model, [prompts[i] + known[i] for i in pending],
+            [guess(tokenizer, tokenizer.decode(known[i]), candidates[i]) for i in pending],
+            [steps - len(known[i]) for i in pending], tokenizer.vocab_size, device)
+        for i, tokens in zip(pending, more):
+            known[i] += tokens
     return verdicts  # type: ignore[return-value]  # every entry decided by now

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from trainer.decoding import logits_of
+
 # The answer starts after either question: passkey's or multi-key's (any name).
 QUESTION = re.compile(r"What is the pass key(?: for (\w+))?\? The pass key (?:for \w+ )?is $")
 ANSWER = 16  # at most this many answer tokens
@@ -97,3 +99,16 @@ def noisy_script(tokenizer, seed: int, splits: Callable[[str], list[list[int]]])
         return follow(target, answer, digit_ids[roll % len(digit_ids)])
 
     return script
+
+
+@torch.no_grad()
+def greedy_continue(model: torch.nn.Module, prompts: torch.Tensor, steps: int,
+                    vocab_size: int) -> torch.Tensor:
+    """Greedy decoding of `steps` tokens after each prompt ([b, s] -> [b, steps]), re-running
+    the whole sequence per token: the evaluation's grading before teacher forcing, kept as the
+    tests' reference."""
+    tokens = prompts
+    for _ in range(steps):
+        nxt = logits_of(model, tokens, vocab_size)[:, -1].argmax(dim=-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens[:, prompts.shape[1]:]

@@ -13,9 +13,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.gpt import build_gpt, transformer_config
 from tests.conftest import compose_config
-from tests.trainer.scripted import Counting, ScriptedModel, asked_and_others, follow, noisy_script
+from tests.trainer.scripted import (
+    Counting,
+    ScriptedModel,
+    asked_and_others,
+    follow,
+    greedy_continue,
+    noisy_script,
+)
 from trainer.data import ByteTokenizer
-from trainer.decoding import greedy_continue, judge, teacher_forced_prefix
+from trainer.decoding import judge, teacher_forced_prefix
 from trainer.evaluate import passkey_accuracy
 from trainer.passkey import FILLER, QUESTION, passkey_prompt, random_key
 from trainer.retrieval import NAMES, multikey_accuracy, multikey_prompt
@@ -137,7 +144,7 @@ def test_multikey_grading_is_greedys_over_random_models(bpe, name: str, seed: in
     expected = old_multikey(old, tok, stream(tok), **args)
     assert [(c.correct, c.distractor) for c in cells] == expected
     assert sum(c for c, _ in expected) > 0 and sum(d for _, d in expected) > 0
-    assert new.tokens < old.tokens
+    assert new.tokens < (0.8 if name == "bytes" else 0.95) * old.tokens
 
 
 def fixed(tok, pick) -> ScriptedModel:

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
-from tests.trainer.scripted import ScriptedModel, asked_and_others, follow
+from tests.trainer.scripted import ScriptedModel, asked_and_others, follow, greedy_continue
 from trainer.data import ByteTokenizer, DataIterator
-from trainer.decoding import greedy_continue
 from trainer.evaluate import passkey_accuracy, perplexity_by_length
 from trainer.passkey import QUESTION, PasskeyMix, passkey_prompt
 
