@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from megatron.core import parallel_state, tensor_parallel
 from tqdm import tqdm
 
+from trainer.decoding import greedy_starts_with, logits_of
 from trainer.errors import UserError
 from trainer.passkey import passkey_prompt, random_key
 
@@ -63,38 +63,14 @@ def bucket_edges(length: int, trained_length: int | None) -> list[int]:
     return edges
 
 
-def _logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Full-vocabulary logits [b, s, vocab] (gathered across TP ranks, padding rows dropped)."""
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    logits = model(tokens, positions, None)  # [b, s, V / tp]
-    if (parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size() > 1):
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-    return logits[..., :vocab_size]
-
-
-@torch.no_grad()
-def greedy_continue(model: torch.nn.Module, prompts: torch.Tensor, steps: int,
-                    vocab_size: int) -> torch.Tensor:
-    """Greedy decoding of `steps` tokens after each prompt ([b, s] -> [b, steps]).
-
-    Re-runs the whole sequence per token: no KV cache, so every attention variant is exercised
-    exactly as in training (DCA and chunked attention have no incremental path here).
-    """
-    tokens = prompts
-    for _ in range(steps):
-        nxt = _logits(model, tokens, vocab_size)[:, -1].argmax(dim=-1, keepdim=True)
-        tokens = torch.cat([tokens, nxt], dim=1)
-    return tokens[:, prompts.shape[1]:]
-
-
 @torch.no_grad()
 def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], depths: list[float],
                      trials: int, digits: int, batch_size: int, seed: int,
                      device: torch.device) -> list[PasskeyCell]:
     """Accuracy per (length, depth): a trial passes when the greedy continuation's text starts
     with the key's (compared as text: a subword tokenizer's key may take a different number of
-    tokens from trial to trial, or be produced with another split of the same digits)."""
+    tokens from trial to trial, or be produced with another split of the same digits). Graded
+    with teacher forcing, about one forward per trial (`trainer.decoding`)."""
     rng = np.random.default_rng(seed)
     cells = []
     grid = [(length, depth) for length in lengths for depth in depths]
@@ -103,11 +79,11 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
         for start in range(0, trials, batch_size):
             keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
             pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
-            prompts = torch.tensor([p for p, _ in pairs], device=device)
             steps = max(len(a) for _, a in pairs)
-            out = greedy_continue(model, prompts, steps, tokenizer.vocab_size)
-            correct += sum(tokenizer.decode(row).startswith(tokenizer.decode(a))
-                           for row, (_, a) in zip(out.tolist(), pairs))
+            verdicts = greedy_starts_with(model, tokenizer, [p for p, _ in pairs],
+                                          [a for _, a in pairs],
+                                          [[tokenizer.decode(a)] for _, a in pairs], steps, device)
+            correct += sum(v[0] for v in verdicts)
         cells.append(PasskeyCell(length, depth, correct, trials))
     return cells
 
@@ -137,7 +113,7 @@ def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: li
             rows = range(start, min(start + batch_size, n))
             batch = torch.tensor(np.stack([np.asarray(stream[i * length:(i + 1) * length + 1])
                                            for i in rows]).astype(np.int64), device=device)
-            logits = _logits(model, batch[:, :-1], vocab_size).float()
+            logits = logits_of(model, batch[:, :-1], vocab_size).float()
             loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:],
                                                      reduction="none")  # [b, s]
             per_position += loss.double().sum(dim=0).cpu()

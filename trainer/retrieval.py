@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.decoding import greedy_starts_with
 from trainer.errors import UserError
-from trainer.evaluate import greedy_continue
 from trainer.passkey import random_key
 
 NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
@@ -115,7 +115,10 @@ def multikey_prompt(tokenizer, stream, length: int, depth: float, keys: int, dig
 def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[int],
                       depths: list[float], trials: int, keys: int, digits: int, batch_size: int,
                       seed: int, device: torch.device) -> list[MultiKeyCell]:
-    """Correct and distractor answers per (length, depth) cell."""
+    """Correct and distractor answers per (length, depth) cell. Teacher forcing on the asked
+    value grades most trials in one forward; a trial whose greedy prefix is still consistent
+    with a distractor's value (or another split of a value) is decoded on until its text
+    decides every value (`trainer.decoding`), so the distractor counts are greedy decoding's."""
     cells = []
     grid = [(length, j, depth) for length in lengths for j, depth in enumerate(depths)]
     for length, j, depth in tqdm(grid, desc="multikey", leave=False):
@@ -126,11 +129,11 @@ def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[i
         for start in range(0, trials, batch_size):
             batch = built[start:start + batch_size]
             steps = max(len(tokenizer.encode(v)) for t in batch for v in t.values)
-            out = greedy_continue(model, torch.tensor([t.prompt for t in batch], device=device),
-                                  steps, tokenizer.vocab_size)
-            for trial, row in zip(batch, out.tolist()):
-                text = tokenizer.decode(row)
-                correct += text.startswith(trial.values[0])
-                distractor += any(text.startswith(v) for v in trial.values[1:])
+            verdicts = greedy_starts_with(model, tokenizer, [t.prompt for t in batch],
+                                          [tokenizer.encode(t.values[0]) for t in batch],
+                                          [t.values for t in batch], steps, device)
+            for asked, *others in verdicts:
+                correct += asked
+                distractor += any(others)
         cells.append(MultiKeyCell(length, depth, correct, distractor, trials, keys))
     return cells

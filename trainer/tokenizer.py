@@ -23,6 +23,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     eod: int
     name: str
+    # decode(x + y) starts with decode(x), once trailing U+FFFD (an unfinished UTF-8 character)
+    # is dropped from the latter: retrieval grading may then decide from a prefix of the output.
+    prefix_stable: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -44,6 +47,7 @@ class ByteTokenizer:
     vocab_size: int = 257
     eod: int = 256
     name: str = "byte"
+    prefix_stable: bool = True  # see `Tokenizer.prefix_stable`
 
     def encode(self, text: str) -> list[int]:
         """UTF-8 bytes of `text`."""
@@ -83,6 +87,10 @@ class JsonTokenizer:
         self.eod: int = base if eod is None else eod
         self.vocab_size: int = max(base, self.eod + 1)
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+        # Byte-level BPE (GPT-2, Llama 3, Qwen2) decodes token bytes concatenated; other decoders
+        # (WordPiece's cleanup, byte fallback's grouping) may rewrite a prefix's text later.
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        self.prefix_stable: bool = decoder.get("type") == "ByteLevel"
         self.name: str = f"json-{digest}-eod{self.eod}"
 
     def encode(self, text: str) -> list[int]:

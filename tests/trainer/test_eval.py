@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
+from tests.trainer.scripted import ScriptedModel, asked_and_others, follow, greedy_continue
 from trainer.data import ByteTokenizer, DataIterator
-from trainer.evaluate import greedy_continue, passkey_accuracy, perplexity_by_length
+from trainer.evaluate import passkey_accuracy, perplexity_by_length
 from trainer.passkey import QUESTION, PasskeyMix, passkey_prompt
 
 TOK = ByteTokenizer()
@@ -72,21 +73,14 @@ def test_passkey_keys_change_every_epoch_and_resume_exactly() -> None:
     assert [_keys(next(resumed)) for _ in range(5)] == stream[3:]
 
 
-class _OracleModel(torch.nn.Module):
-    """Predicts the passkey perfectly from the prompt: grading must then score 1.0."""
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: None) -> torch.Tensor:
-        logits = torch.full((*tokens.shape, 384), -1e4)
-        for b, row in enumerate(tokens.tolist()):
-            text = TOK.decode(row)
-            key = text.split("The pass key is ")[1][:5]
-            done = len(text) - len(text.rsplit(QUESTION, 1)[0]) - len(QUESTION)
-            logits[b, -1, TOK.encode(key)[min(done, 4)]] = 0.0
-        return logits
+def _oracle() -> ScriptedModel:
+    """Answers the passkey it reads in the prompt, then eod: grading must then score 1.0."""
+    return ScriptedModel(TOK, lambda prompt, answer: follow(
+        TOK.encode(asked_and_others(prompt)[0]), answer, TOK.eod))
 
 
 def test_grading_scores_an_oracle_perfectly_and_a_constant_model_zero() -> None:
-    cells = passkey_accuracy(_OracleModel(), TOK, [300], [0.0, 1.0], trials=3, digits=5,
+    cells = passkey_accuracy(_oracle(), TOK, [300], [0.0, 1.0], trials=3, digits=5,
                              batch_size=2, seed=0, device=torch.device("cpu"))
     assert [c.accuracy for c in cells] == [1.0, 1.0]
     const = lambda tokens, positions, mask: torch.zeros(*tokens.shape, 384)  # noqa: E731

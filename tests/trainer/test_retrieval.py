@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
 
+from tests.trainer.scripted import ScriptedModel, asked_and_others, follow
 from trainer import retrieval
 from trainer.data import ByteTokenizer
 from trainer.evaluate import bucket_edges, perplexity_by_length
@@ -55,26 +54,18 @@ def test_filler_is_held_out_text_not_a_repeated_sentence() -> None:
     assert trial(0.5, keys=1, seed=1).prompt != t.prompt  # another seed, other text
 
 
-def _answer_with(pick: str):
-    """A greedy_continue stand-in: reads the prompt and answers the asked or another key."""
-    def continue_(model, prompts: torch.Tensor, steps: int, vocab_size: int) -> torch.Tensor:
-        rows = []
-        for row in prompts.tolist():
-            text = TOK.decode(row)
-            asked = re.findall(r"What is the pass key for (\w+)\?", text)[-1]
-            found = dict(re.findall(r"The pass key for (\w+) is (\d+)\. Remember", text))
-            other = next(n for n in found if n != asked)
-            rows.append(TOK.encode(found[asked if pick == "asked" else other])[:steps])
-        return torch.tensor(rows)
-    return continue_
+def _answer_with(pick: str) -> ScriptedModel:
+    """A model that reads the prompt and answers the asked key or another, then eod."""
+    def script(prompt: str, answer: list[int]) -> int:
+        asked, others = asked_and_others(prompt)
+        return follow(TOK.encode(asked if pick == "asked" else others[0]), answer, TOK.eod)
+    return ScriptedModel(TOK, script)
 
 
 @pytest.mark.parametrize(("pick", "correct", "distractor"), [("asked", 1.0, 0), ("other", 0.0, 3)])
-def test_grading(monkeypatch: pytest.MonkeyPatch, pick: str, correct: float,
-                 distractor: int) -> None:
-    monkeypatch.setattr(retrieval, "greedy_continue", _answer_with(pick))
-    cells = multikey_accuracy(None, TOK, STREAM, [500], [0.0, 1.0], trials=3, keys=3, digits=5,
-                              batch_size=2, seed=0, device=CPU)
+def test_grading(pick: str, correct: float, distractor: int) -> None:
+    cells = multikey_accuracy(_answer_with(pick), TOK, STREAM, [500], [0.0, 1.0], trials=3,
+                              keys=3, digits=5, batch_size=2, seed=0, device=CPU)
     assert [(c.accuracy, c.distractor, c.trials) for c in cells] == [(correct, distractor, 3)] * 2
 
 
@@ -82,13 +73,13 @@ def test_cells_depend_only_on_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[list[int]]] = [[], []]
 
     def record(which: int):
-        def continue_(model, prompts, steps, vocab_size):
-            seen[which] += prompts.tolist()
-            return torch.zeros(len(prompts), steps, dtype=torch.long)
-        return continue_
+        def grade(model, tokenizer, prompts, forced, candidates, steps, device):
+            seen[which] += prompts
+            return [[False] * len(c) for c in candidates]
+        return grade
 
     for which, batch in ((0, 1), (1, 3)):
-        monkeypatch.setattr(retrieval, "greedy_continue", record(which))
+        monkeypatch.setattr(retrieval, "greedy_starts_with", record(which))
         multikey_accuracy(None, TOK, STREAM, [400, 500], [0.5], trials=3, keys=2, digits=5,
                           batch_size=batch, seed=7, device=CPU)
     assert seen[0] == seen[1] and len(seen[0]) == 6

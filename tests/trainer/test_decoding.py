@@ -1,0 +1,232 @@
+"""Retrieval grading by teacher forcing (trainer/decoding.py) against the old grading by greedy
+decoding of every step, kept here as the reference: the same verdict for every trial, fewer
+forwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from models.gpt import build_gpt, transformer_config
+from tests.conftest import compose_config
+from tests.trainer.scripted import (
+    Counting,
+    ScriptedModel,
+    asked_and_others,
+    follow,
+    greedy_continue,
+    noisy_script,
+)
+from trainer.data import ByteTokenizer
+from trainer.decoding import judge, teacher_forced_prefix
+from trainer.evaluate import passkey_accuracy
+from trainer.passkey import FILLER, QUESTION, passkey_prompt, random_key
+from trainer.retrieval import NAMES, multikey_accuracy, multikey_prompt
+from trainer.tokenizer import JsonTokenizer
+
+CPU = torch.device("cpu")
+WORDS = "river stone lamp orchard window thunder paper copper meadow lantern".split()
+
+
+class UnstableBytes(ByteTokenizer):
+    """Bytes, but grading may not assume prefix-stable decoding: the fallback path alone."""
+
+    prefix_stable = False
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> JsonTokenizer:
+    """A byte-level BPE whose merges join digits, so a key has several token splits."""
+    rng = np.random.default_rng(0)
+    texts = [FILLER, QUESTION, " ".join(WORDS), " ".join(NAMES)] * 20
+    texts += [f"The pass key for {n} is {k}. Remember it. {k} is the pass key."
+              for n, k in zip(rng.choice(NAMES, 400), rng.integers(10_000, 100_000, 400))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = Path(tmp_path_factory.mktemp("bpe")) / "tokenizer.json"
+    tok.save(str(path))
+    return JsonTokenizer(path)
+
+
+def splits(tokenizer):
+    """Token splits of a digit string: the tokenizer's own, per digit, and cut after 2."""
+    def of(text: str) -> list[list[int]]:
+        out = [tokenizer.encode(text), [t for d in text for t in tokenizer.encode(d)],
+               tokenizer.encode(text[:2]) + tokenizer.encode(text[2:])]
+        return [s for i, s in enumerate(out) if s not in out[:i]]
+    return of
+
+
+def stream(tokenizer) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    docs = [tokenizer.encode(" ".join(rng.choice(WORDS, 40)) + ".") + [tokenizer.eod]
+            for _ in range(40)]
+    return np.concatenate(docs)
+
+
+def old_passkey(model, tokenizer, lengths, depths, trials, digits, batch_size, seed):
+    """The grading before teacher forcing: greedy decoding of every step, compared as text."""
+    rng = np.random.default_rng(seed)
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            correct = 0
+            for start in range(0, trials, batch_size):
+                keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
+                pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
+                out = greedy_continue(model, torch.tensor([p for p, _ in pairs]),
+                                      max(len(a) for _, a in pairs), tokenizer.vocab_size)
+                correct += sum(tokenizer.decode(row).startswith(tokenizer.decode(a))
+                               for row, (_, a) in zip(out.tolist(), pairs))
+            cells.append(correct)
+    return cells
+
+
+def old_multikey(model, tokenizer, data, lengths, depths, trials, keys, digits, batch_size,
+                 seed):
+    """The multi-key grading before teacher forcing: (correct, distractor) per cell."""
+    cells = []
+    for length in lengths:
+        for j, depth in enumerate(depths):
+            built = [multikey_prompt(tokenizer, data, length, depth, keys, digits,
+                                     np.random.default_rng((seed, 0x4E1D, length, j, t)))
+                     for t in range(trials)]
+            correct = distractor = 0
+            for start in range(0, trials, batch_size):
+                batch = built[start:start + batch_size]
+                steps = max(len(tokenizer.encode(v)) for t in batch for v in t.values)
+                out = greedy_continue(model, torch.tensor([t.prompt for t in batch]), steps,
+                                      tokenizer.vocab_size)
+                for trial, row in zip(batch, out.tolist()):
+                    text = tokenizer.decode(row)
+                    correct += text.startswith(trial.values[0])
+                    distractor += any(text.startswith(v) for v in trial.values[1:])
+            cells.append((correct, distractor))
+    return cells
+
+
+def tokenizer_of(name: str, bpe: JsonTokenizer):
+    return {"bytes": ByteTokenizer(), "unstable": UnstableBytes(), "bpe": bpe}[name]
+
+
+@pytest.mark.parametrize("name", ["bytes", "unstable", "bpe"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_passkey_grading_is_greedys_over_random_models(bpe, name: str, seed: int) -> None:
+    tok = tokenizer_of(name, bpe)
+    model = ScriptedModel(tok, noisy_script(tok, seed, splits(tok)), tok.vocab_size)
+    old, new = Counting(model), Counting(model)
+    args = dict(lengths=[160, 200], depths=[0.0, 1.0], trials=12, digits=5, batch_size=4,
+                seed=seed)
+    cells = passkey_accuracy(new, tok, device=CPU, **args)
+    assert [c.correct for c in cells] == old_passkey(old, tok, **args)
+    assert 0 < sum(c.correct for c in cells) < sum(c.trials for c in cells)  # both verdicts
+    # Token positions processed, the cost at long context (equal-length rows share a forward;
+    # this noisy model sends many trials to the fallback, so calls fall less).
+    assert new.tokens < (0.8 if name == "bytes" else 0.95) * old.tokens
+
+
+@pytest.mark.parametrize("name", ["bytes", "unstable", "bpe"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_multikey_grading_is_greedys_over_random_models(bpe, name: str, seed: int) -> None:
+    tok = tokenizer_of(name, bpe)
+    model = ScriptedModel(tok, noisy_script(tok, seed, splits(tok)), tok.vocab_size)
+    old, new = Counting(model), Counting(model)
+    args = dict(lengths=[500], depths=[0.0, 0.5, 1.0], trials=10, keys=3, digits=5,
+                batch_size=4, seed=seed)
+    cells = multikey_accuracy(new, tok, stream(tok), device=CPU, **args)
+    expected = old_multikey(old, tok, stream(tok), **args)
+    assert [(c.correct, c.distractor) for c in cells] == expected
+    assert sum(c for c, _ in expected) > 0 and sum(d for _, d in expected) > 0
+    assert new.tokens < (0.8 if name == "bytes" else 0.95) * old.tokens
+
+
+def fixed(tok, pick) -> ScriptedModel:
+    """A model that answers pick(asked, others) -> token ids, then eod."""
+    def script(prompt: str, answer: list[int]) -> int:
+        return follow(pick(*asked_and_others(prompt)), answer, tok.eod)
+    return ScriptedModel(tok, script, tok.vocab_size)
+
+
+def test_an_oracle_costs_one_forward_per_batch(bpe) -> None:
+    tok = bpe
+    oracle = Counting(fixed(tok, lambda asked, others: tok.encode(asked)))
+    cells = passkey_accuracy(oracle, tok, [200], [0.5], trials=8, digits=5, batch_size=4,
+                             seed=0, device=CPU)
+    assert cells[0].correct == 8
+    lengths = {len(tok.encode(random_key(np.random.default_rng(s), 5))) for s in range(50)}
+    assert len(lengths) > 1  # keys of several token counts, grouped into unpadded forwards
+    assert oracle.calls <= 2 * len(lengths)  # 2 batches; greedy decoding: 2 x the longest key
+
+
+@pytest.mark.parametrize(("pick", "correct", "distractor"), [
+    ("asked_cut", 6, 0), ("other", 0, 6), ("other_cut", 0, 6), ("partial", 0, 0),
+    ("asked_prefix", 0, 0), ("asked_per_digit", 0, 0), ("other_per_digit", 0, 0)])
+def test_adversarial_answers(bpe, pick: str, correct: int, distractor: int) -> None:
+    """Another split of the asked key (passes), a distractor's value in either split (counted
+    apart), a correct start with a wrong digit, the key's first digits only (fail). One digit
+    per token is more tokens than greedy is given (the longest canonical encoding): the old
+    grading fails it, and so must the new."""
+    tok = bpe
+    per_digit = lambda v: [t for d in v for t in tok.encode(d)]  # noqa: E731
+    answer = {"asked_per_digit": lambda a, o: per_digit(a),
+              "asked_cut": lambda a, o: tok.encode(a[:3]) + tok.encode(a[3:]),
+              "other": lambda a, o: tok.encode(o[0]),
+              "other_cut": lambda a, o: tok.encode(o[0][:3]) + tok.encode(o[0][3:]),
+              "other_per_digit": lambda a, o: per_digit(o[0]),
+              "partial": lambda a, o: tok.encode(a[:3] + str(9 - int(a[3])) + a[4:]),
+              "asked_prefix": lambda a, o: per_digit(a[:4])}[pick]
+    model = fixed(tok, answer)
+    args = dict(lengths=[500], depths=[0.0, 1.0], trials=3, keys=3, digits=5, batch_size=2,
+                seed=0)
+    cells = multikey_accuracy(model, tok, stream(tok), device=CPU, **args)
+    got = [(c.correct, c.distractor) for c in cells]
+    assert got == old_multikey(model, tok, stream(tok), **args)
+    assert (sum(c for c, _ in got), sum(d for _, d in got)) == (correct, distractor)
+
+
+def test_judge_decides_from_a_prefix_only_when_decoding_is_prefix_stable() -> None:
+    assert judge("714", ["71432"], False, True) is None  # may still become the key
+    assert judge("71432.", ["71432", "30518"], False, True) == [True, False]
+    assert judge("715", ["71432"], False, True) == [False]
+    assert judge("7\ufffd", ["71432"], False, True) is None  # an unfinished character
+    assert judge("715", ["71432"], False, False) is None
+    assert judge("714", ["71432"], True, False) == [False]
+
+
+def test_prefix_stable_decoding_holds_for_byte_level_bpe(bpe, tmp_path: Path) -> None:
+    """The assumption `judge` makes, on random ids (special tokens and partial UTF-8 too)."""
+    rng = np.random.default_rng(0)
+    assert bpe.prefix_stable and ByteTokenizer.prefix_stable
+    for tok in (bpe, ByteTokenizer()):
+        for _ in range(300):
+            ids = rng.integers(0, tok.vocab_size, int(rng.integers(1, 12))).tolist()
+            cut = int(rng.integers(0, len(ids) + 1))
+            head = tok.decode(ids[:cut]).rstrip("\ufffd")
+            assert tok.decode(ids).startswith(head), (ids, cut)
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.save(str(tmp_path / "wp.json"))
+    assert not JsonTokenizer(tmp_path / "wp.json").prefix_stable  # cleanup rewrites text
+
+
+def test_teacher_forcing_reads_greedys_tokens_off_a_real_dca_model(single_process) -> None:
+    """On a tiny random GPT with DCA: forcing greedy's own tokens recovers all of them, and
+    forcing a wrong token at j recovers greedy's first j + 1."""
+    cfg = compose_config(["model.init_std=0.2", "+attention=dca", "attention.dca_chunk_size=16",
+                          "attention.dca_local_size=4"])
+    torch.manual_seed(0)
+    model = build_gpt(transformer_config(cfg.model, cfg.attention), 384, 64).eval()
+    prompts = torch.randint(0, 257, (3, 40), generator=torch.Generator().manual_seed(1))
+    greedy = greedy_continue(model, prompts, 6, 257).tolist()
+    rows = prompts.tolist()
+    assert teacher_forced_prefix(model, rows, greedy, 6, 257, CPU) == greedy
+    wrong = [g[:j] + [(g[j] + 1) % 257] + g[j + 1:] for g, j in zip(greedy, (0, 2, 5))]
+    known = teacher_forced_prefix(model, rows, wrong, 6, 257, CPU)
+    assert known == [g[:j + 1] for g, j in zip(greedy, (0, 2, 5))]
