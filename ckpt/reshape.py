@@ -223,7 +223,7 @@ def reshape(src: str | Path, dst: str | Path, tp: int | None = None, *, pp: int 
     problems = target_problems(ckpt, target)
     if problems:
         raise ReshapeError(f"cannot reshape {src_dir} ({source.describe()}) to "
-                           f"{target.describe()}:\n  - " + "\n  - ".join(problems))
+                           f"{target.describe()}: " + "; ".join(problems))
     same = dataclasses.replace(source, dp=1, cp=1)
     if target == same or (model_only and (target.tp, target.pp) == (same.tp, same.pp)):
         raise ReshapeError(f"{src_dir} was saved at {target.describe()} already; nothing to do")

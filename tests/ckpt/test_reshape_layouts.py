@@ -132,6 +132,7 @@ def test_a_layout_the_model_cannot_take_is_refused(saved, capsys) -> None:
                  "--target-tp", "3"])
     err = capsys.readouterr().err
     assert code == 2 and not dst.exists() and err.startswith("error: cannot reshape")
+    assert len(err.strip().splitlines()) == 1, err
     assert "model.num_layers (2) is not divisible by 3" in err
     assert "model.num_attention_heads (4) is not divisible by 3" in err
     code = main(["reshape", str(cwd / "plain" / "checkpoints"), str(dst)])
