@@ -69,7 +69,8 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
                      device: torch.device) -> list[PasskeyCell]:
     """Accuracy per (length, depth): a trial passes when the greedy continuation's text starts
     with the key's (compared as text: a subword tokenizer's key may take a different number of
-    tokens from trial to trial, or be produced with another split of the same digits). Graded
+    tokens from trial to trial, or be produced with another split of the same digits, up to one
+    token per digit; the budget does not depend on the batch). Graded
     with teacher forcing, about one forward per trial (`trainer.decoding`)."""
     rng = np.random.default_rng(seed)
     cells = []
@@ -79,7 +80,8 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
         for start in range(0, trials, batch_size):
             keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
             pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
-            steps = max(len(a) for _, a in pairs)
+            # as many tokens as the key has characters: every split of its digits fits
+            steps = max(len(key) for key in keys)
             verdicts = greedy_starts_with(model, tokenizer, [p for p, _ in pairs],
                                           [a for _, a in pairs],
                                           [[tokenizer.decode(a)] for _, a in pairs], steps, device)

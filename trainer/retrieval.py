@@ -128,7 +128,7 @@ def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[i
         correct = distractor = 0
         for start in range(0, trials, batch_size):
             batch = built[start:start + batch_size]
-            steps = max(len(tokenizer.encode(v)) for t in batch for v in t.values)
+            steps = max(len(v) for t in batch for v in t.values)  # one token per digit fits
             verdicts = greedy_starts_with(model, tokenizer, [t.prompt for t in batch],
                                           [tokenizer.encode(t.values[0]) for t in batch],
                                           [t.values for t in batch], steps, device)

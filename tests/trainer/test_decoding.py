@@ -72,7 +72,8 @@ def stream(tokenizer) -> np.ndarray:
 
 
 def old_passkey(model, tokenizer, lengths, depths, trials, digits, batch_size, seed):
-    """The grading before teacher forcing: greedy decoding of every step, compared as text."""
+    """The grading without teacher forcing: greedy decoding of as many tokens as the key has
+    digits, compared as text."""
     rng = np.random.default_rng(seed)
     cells = []
     for length in lengths:
@@ -82,7 +83,7 @@ def old_passkey(model, tokenizer, lengths, depths, trials, digits, batch_size, s
                 keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
                 pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
                 out = greedy_continue(model, torch.tensor([p for p, _ in pairs]),
-                                      max(len(a) for _, a in pairs), tokenizer.vocab_size)
+                                      max(len(k) for k in keys), tokenizer.vocab_size)
                 correct += sum(tokenizer.decode(row).startswith(tokenizer.decode(a))
                                for row, (_, a) in zip(out.tolist(), pairs))
             cells.append(correct)
@@ -101,7 +102,7 @@ def old_multikey(model, tokenizer, data, lengths, depths, trials, keys, digits, 
             correct = distractor = 0
             for start in range(0, trials, batch_size):
                 batch = built[start:start + batch_size]
-                steps = max(len(tokenizer.encode(v)) for t in batch for v in t.values)
+                steps = max(len(v) for t in batch for v in t.values)
                 out = greedy_continue(model, torch.tensor([t.prompt for t in batch]), steps,
                                       tokenizer.vocab_size)
                 for trial, row in zip(batch, out.tolist()):
@@ -167,12 +168,12 @@ def test_an_oracle_costs_one_forward_per_batch(bpe) -> None:
 
 @pytest.mark.parametrize(("pick", "correct", "distractor"), [
     ("asked_cut", 6, 0), ("other", 0, 6), ("other_cut", 0, 6), ("partial", 0, 0),
-    ("asked_prefix", 0, 0), ("asked_per_digit", 0, 0), ("other_per_digit", 0, 0)])
+    ("asked_prefix", 0, 0), ("asked_per_digit", 6, 0), ("other_per_digit", 0, 6)])
 def test_adversarial_answers(bpe, pick: str, correct: int, distractor: int) -> None:
     """Another split of the asked key (passes), a distractor's value in either split (counted
     apart), a correct start with a wrong digit, the key's first digits only (fail). One digit
-    per token is more tokens than greedy is given (the longest canonical encoding): the old
-    grading fails it, and so must the new."""
+    per token is the longest split: greedy is given that many tokens, so it passes (it failed
+    when the budget was the longest canonical encoding in the batch)."""
     tok = bpe
     per_digit = lambda v: [t for d in v for t in tok.encode(d)]  # noqa: E731
     answer = {"asked_per_digit": lambda a, o: per_digit(a),
