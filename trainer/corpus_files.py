@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PATTERNS = ("*.py", "*.md", "*.txt", "*.rst")
-_SKIP_DIRS = {"__pycache__"}
+SKIP_DIRS = frozenset({"__pycache__"})
 
 
 @dataclass
@@ -60,16 +60,17 @@ def parse_patterns(spec: str) -> list[str]:
 
 
 def collect_files(root: Path, patterns: Sequence[str] = DEFAULT_PATTERNS,
-                  max_files: int | None = None) -> CorpusFiles:
+                  max_files: int | None = None,
+                  skip_dirs: frozenset[str] = SKIP_DIRS) -> CorpusFiles:
     """Every file under `root` whose name matches one of `patterns` (fnmatch), sorted by relative
-    path; unreadable, non-UTF-8 and empty (or whitespace-only) files are skipped. `max_files`
-    keeps the first N kept files (for toy runs)."""
+    path, not entering hidden directories or `skip_dirs`; unreadable, non-UTF-8 and empty (or
+    whitespace-only) files are skipped. `max_files` keeps the first N kept files (toy runs)."""
     root = root.resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"corpus directory not found: {root}")
     names = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
         rel = Path(dirpath).relative_to(root)
         names += [(rel / f).as_posix() for f in filenames
                   if any(fnmatch.fnmatchcase(f, p) for p in patterns)]

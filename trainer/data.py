@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.corpus_files import collect_files
 from trainer.errors import UserError
 from trainer.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, load_tokenizer, token_dtype
 
@@ -34,7 +35,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Directories of the stdlib that are not library source: test suites and installed packages.
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests",
+                        "idle_test"})
 _CACHE_FORMAT = 1
 _ENCODE_BATCH = 64
 
@@ -43,23 +45,16 @@ def embedded_corpus(min_chars: int = 0, max_documents: int | None = None) -> lis
     """The Python standard library's own .py sources as (relative_name, text), sorted by name.
 
     Exists on every machine without a download and has many 100K+ character documents.
-    Test suites, site-packages, empty files and unreadable or non-UTF-8 files are skipped;
+    Test suites, site-packages, blank files and unreadable or non-UTF-8 files are skipped
+    (`corpus_files.collect_files`);
     `min_chars` drops shorter files and `max_documents` keeps the first N (for tiny tests).
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    names = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        rel = Path(dirpath).relative_to(root)
-        names.extend((rel / f).as_posix() for f in filenames if f.endswith(".py"))
     docs = []
-    for name in sorted(names):
-        try:
-            text = (root / name).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if len(text) >= max(min_chars, 1):
-            docs.append((name, text))
+    for path in collect_files(root, ["*.py"], skip_dirs=_SKIP_DIRS).files:
+        text = path.read_text(encoding="utf-8")
+        if len(text) >= min_chars:
+            docs.append((path.relative_to(root.resolve()).as_posix(), text))
             if max_documents is not None and len(docs) >= max_documents:
                 break
     return docs
