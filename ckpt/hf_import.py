@@ -31,7 +31,7 @@ from ckpt.destination import add_destination_arguments, staged
 from ckpt.hf_config import HFError, architecture, model_config, read_config
 from ckpt.hf_weights import Shape, expected_hf, local_tensor
 from ckpt.save import write_checkpoint
-from models.gpt import BuildOptions, build_model, padded_vocab_size
+from models.gpt import BuildOptions, build_model, padded_vocab_size, tp_problems
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
@@ -95,7 +95,8 @@ def check_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]],
                             f"implies {list(shape)}")
         dtypes.add(FLOAT_DTYPES.get(dtype))
     if problems:
-        raise HFError("cannot import:\n  " + "\n  ".join(problems))
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise HFError("cannot import: " + "; ".join(problems[:3]) + more)
     return "fp32" if "fp32" in dtypes else "bf16"
 
 
@@ -179,7 +180,7 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     dtype = dtype or source_dtype
     problems = _tp_problems(model, vocab, tp)
     if problems:
-        raise HFError(f"cannot import {hf_dir} at TP={tp}:\n  - " + "\n  - ".join(problems))
+        raise HFError(f"cannot import {hf_dir} at TP={tp}: " + "; ".join(problems))
     seq_length = int(cfg.get("max_position_embeddings") or 4096)
     tokenizer = hf_dir / "tokenizer.json"
     extra = {
@@ -221,10 +222,7 @@ def _spawn(tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
 def _tp_problems(model: ModelConfig, vocab: int, tp: int) -> list[str]:
     if tp < 1:
         return [f"--target-tp must be at least 1 (got {tp})"]
-    groups = model.num_query_groups or model.num_attention_heads
-    problems = [f"{what} ({n}) is not divisible by {tp}" for what, n in (
-        ("num_attention_heads", model.num_attention_heads), ("num_key_value_heads", groups),
-        ("intermediate_size", model.ffn_hidden_size)) if n % tp]
+    problems = tp_problems(model, tp)
     try:
         padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
     except ValueError as e:

@@ -17,7 +17,7 @@ from ckpt.inspect import MODEL_WEIGHT, format_table
 from ckpt.layout import TPLayout, checked_layout, is_optimizer_key, is_stacked, model_key
 from ckpt.optimizer_format import DISTRIBUTED, MASTER, PLAIN, PREFIX, saved_format
 from ckpt.reader import Checkpoint
-from models.gpt import ffn_hidden_size, transformer_config
+from models.gpt import tp_problems, transformer_config
 
 
 @dataclass(frozen=True)
@@ -62,21 +62,12 @@ def target_problems(ckpt: Checkpoint, target: Layout) -> list[str]:
     if bad:
         return bad
     m = ckpt.config.model
-    heads = m.num_attention_heads
-    groups = m.num_query_groups or heads
-    ffn = ffn_hidden_size(m)
     vocab = ckpt.tensors[MODEL_WEIGHT].shape[0]
     problems = []
     if m.num_layers % pp:
         problems.append(f"model.num_layers ({m.num_layers}) is not divisible by {pp}: each "
                         "pipeline stage needs the same number of layers")
-    if heads % tp:
-        problems.append(f"model.num_attention_heads ({heads}) is not divisible by {tp}")
-    if groups % tp:
-        problems.append(f"model.num_query_groups ({groups}) is not divisible by {tp}: each rank "
-                        "needs whole query groups (K/V heads)")
-    if ffn % tp:
-        problems.append(f"the MLP hidden size ({ffn}) is not divisible by {tp}")
+    problems += tp_problems(m, tp)
     if vocab % tp:
         problems.append(f"the padded vocabulary ({vocab} rows) is not divisible by {tp}; the "
                         "padding is fixed in the checkpoint")

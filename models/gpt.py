@@ -57,6 +57,23 @@ class BuiltModel:
         return self.chunks[0]
 
 
+def tp_problems(model: ModelConfig, tp: int) -> list[str]:
+    """What keeps the model's layers from splitting over `tp` ranks (empty: they split); the
+    vocabulary is the caller's (padded at build time, or fixed in a checkpoint)."""
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    ffn = ffn_hidden_size(model)
+    problems = []
+    if heads % tp:
+        problems.append(f"model.num_attention_heads ({heads}) is not divisible by {tp}")
+    if groups % tp:
+        problems.append(f"model.num_query_groups ({groups}) is not divisible by {tp}: each rank "
+                        "needs whole query groups (K/V heads)")
+    if ffn % tp:
+        problems.append(f"the MLP hidden size ({ffn}) is not divisible by {tp}")
+    return problems
+
+
 def ffn_hidden_size(model: ModelConfig) -> int:
     """Explicit size, else 4h (or SwiGLU's 8h/3 rounded up to a multiple of 64)."""
     if model.ffn_hidden_size is not None:

@@ -93,6 +93,16 @@ def test_bad_input_is_refused_naming_the_file(tmp_path: Path, capsys, damage) ->
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_tp_the_model_cannot_split_over_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    hf = _sharded(tmp_path)
+    capsys.readouterr()
+    assert main(["import-hf", str(hf), str(tmp_path / "ckpt"), "--target-tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "model.num_attention_heads (4) is not divisible by 3" in err
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_trainer_checkpoints_export_their_real_vocabulary_and_a_gate_is_refused(
         tmp_path: Path, run_training, hf_imported, capsys) -> None:
     """A byte-tokenizer run exports 257 rows; a fine-tune of an imported model (on its own
