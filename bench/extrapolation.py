@@ -176,7 +176,9 @@ def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
 
 
 def _run_probe(args: argparse.Namespace, base: list[str], d: Path) -> None:
-    run("trainer", base + train_overrides(args, args.probe_steps)[:-2] + [
+    timing = [o for o in train_overrides(args, args.probe_steps)
+              if not o.startswith(("data.passkey_fraction=", "trainer.log_interval="))]
+    run("trainer", base + timing + [
         "trainer.eval_interval=0", "checkpoint.save=false", "trainer.log_interval=1",
         "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
 
