@@ -179,7 +179,7 @@ def _run_probe(args: argparse.Namespace, base: list[str], d: Path) -> None:
     timing = [o for o in train_overrides(args, args.probe_steps)
               if not o.startswith(("data.passkey_fraction=", "trainer.log_interval="))]
     run("trainer", base + timing + [
-        "trainer.eval_interval=0", "checkpoint.save=false", "trainer.log_interval=1",
+        "checkpoint.save=false", "trainer.log_interval=1",
         "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
 
 
