@@ -25,16 +25,7 @@ from ckpt.save import write_checkpoint
 from ckpt.zarr_export import load_manifest
 from parallel.distributed import init_process_group, shutdown
 from tests.conftest import FAST, REPO, compose_config
-from trainer.train import Trainer, train
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoints root of a 4-step TP=1 run saved at steps 2 and 4."""
-    run_dir = tmp_path_factory.mktemp("tp1")
-    train(compose_config(FAST + ["trainer.max_steps=4", "trainer.save_interval=2",
-                                 f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
-    return run_dir / "checkpoints"
+from trainer.train import Trainer
 
 
 @pytest.fixture

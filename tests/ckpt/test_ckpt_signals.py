@@ -13,19 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FAST, alive, compose_config
-from trainer.train import train
+from tests.conftest import alive
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoints root of a 2-step TP=1 run."""
-    run_dir = tmp_path_factory.mktemp("tp1")
-    train(compose_config(FAST + ["trainer.max_steps=2", "trainer.save_interval=2",
-                                 f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
-    return run_dir / "checkpoints"
 
 
 def workers_started(proc: subprocess.Popen, count: int, timeout: float = 120) -> list:
