@@ -101,7 +101,7 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
                 **options: object) -> None:
     """The model's shape and attention settings, through the same megatron config the model
     factory builds (its ValueErrors become one-line user errors, before any tensor exists)."""
-    from models.gpt import transformer_config
+    from models.gpt import tp_problems, transformer_config
 
     _at_least(model, "num_layers", 1, prefix="model")
     _at_least(model, "hidden_size", 1, prefix="model")
@@ -118,6 +118,9 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
     if head_dim % 2:
         raise UserError(f"the head dimension ({head_dim}) must be even: RoPE rotates pairs of "
                         "channels; change model.hidden_size, num_attention_heads or kv_channels")
+    problems = tp_problems(model, parallel.tp)
+    if problems:
+        raise UserError("; ".join(problems) + ": change parallel.tp or the model")
     try:
         transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp,
                            sequence_parallel=parallel.sequence_parallel, **options)

@@ -67,6 +67,8 @@ def test_pp2_dp2_distributed_optimizer_matches_single_process(
     (["model.num_layers=4", "parallel.pp=2", "trainer.global_batch_size=4",
       "trainer.micro_batch_size=4"], 4, "micro_batch_size x data-parallel size (4 x 2)"),
     (["parallel.vpp=2"], 1, "needs parallel.pp > 1"),
+    (["model.num_attention_heads=4", "model.num_query_groups=2", "parallel.tp=3"], 3,
+     "model.num_attention_heads (4) is not divisible by 3; model.num_query_groups (2)"),
     (["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "trainer.global_batch_size=6",
       "trainer.micro_batch_size=2"], 2, "multiple of parallel.pp (2) micro-batches"),
 ])
