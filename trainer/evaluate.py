@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from trainer.decoding import greedy_starts_with, logits_of
 from trainer.errors import UserError
-from trainer.passkey import passkey_prompt, random_key
+from trainer.passkey import answer_text, passkey_prompt, random_key
 
 
 @dataclass
@@ -80,8 +80,8 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
         for start in range(0, trials, batch_size):
             keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
             pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
-            # as many tokens as the key has characters: every split of its digits fits
-            steps = max(len(key) for key in keys)
+            # as many tokens as the answer has characters: every split of it fits
+            steps = max(len(answer_text(key)) for key in keys)
             verdicts = greedy_starts_with(model, tokenizer, [p for p, _ in pairs],
                                           [a for _, a in pairs],
                                           [[tokenizer.decode(a)] for _, a in pairs], steps, device)

@@ -3,6 +3,12 @@
     <filler ...> The pass key is 71432. Remember it. 71432 is the pass key. <filler ...>
     What is the pass key? The pass key is 71432
 
+The answer is " 71432", the space included (`answer_text`): the key then tokenizes exactly as it
+does in the needle, since BPE tokenizers attach a leading space to the word or number after it
+("Ġ714", "32"). A question ending in "is " would ask for "714", "32" after a lone "Ġ": another
+token sequence than the needle holds, which turns retrieval (copy the tokens) into copy-and-
+re-split, and a small model trained on it did not learn it (docs/experiments.md, third run).
+
 The key sits at a controlled depth (0 = start of the context, 1 = just before the question);
 a model passes a trial when greedy decoding after "The pass key is" reproduces every digit.
 Training mixes such samples into the corpus (`data.passkey_fraction`) at the training length.
@@ -17,11 +23,16 @@ from trainer.errors import UserError
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
-QUESTION = "What is the pass key? The pass key is "
+QUESTION = "What is the pass key? The pass key is"
 
 
 def _needle(key: str) -> str:
     return f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def answer_text(key: str) -> str:
+    """What follows a question: the key after a space, as the needle writes it."""
+    return " " + key
 
 
 def random_key(rng: np.random.Generator, digits: int) -> str:
@@ -46,7 +57,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[list
     filler = (unit * (budget // len(unit) + 1))[:budget]
     cut = int(round(depth * budget))
     prompt = filler[:cut] + needle + filler[cut:] + question
-    return prompt, tokenizer.encode(key)
+    return prompt, tokenizer.encode(answer_text(key))
 
 
 class PasskeyMix:
@@ -71,7 +82,7 @@ class PasskeyMix:
             return sample
         key = random_key(rng, self.digits)
         # seq_length + 1 tokens (inputs and shifted labels); the key's tokens end the sample.
-        n_answer = len(self.tokenizer.encode(key))
+        n_answer = len(self.tokenizer.encode(answer_text(key)))
         prompt, answer = passkey_prompt(self.tokenizer, self.seq_length + 1 - n_answer,
                                         float(rng.random()), key)
         return torch.tensor(prompt + answer, dtype=torch.int64)

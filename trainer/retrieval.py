@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from trainer.decoding import greedy_starts_with
 from trainer.errors import UserError
-from trainer.passkey import random_key
+from trainer.passkey import answer_text, random_key
 
 NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
          "juniper", "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz",
@@ -36,7 +36,7 @@ def needle_text(name: str, value: str) -> str:
 
 
 def question_text(name: str) -> str:
-    return f" What is the pass key for {name}? The pass key for {name} is "
+    return f" What is the pass key for {name}? The pass key for {name} is"
 
 
 @dataclass
@@ -128,10 +128,11 @@ def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[i
         correct = distractor = 0
         for start in range(0, trials, batch_size):
             batch = built[start:start + batch_size]
-            steps = max(len(v) for t in batch for v in t.values)  # one token per digit fits
+            answers = [[answer_text(v) for v in t.values] for t in batch]
+            steps = max(len(a) for row in answers for a in row)  # one token per character fits
             verdicts = greedy_starts_with(model, tokenizer, [t.prompt for t in batch],
-                                          [tokenizer.encode(t.values[0]) for t in batch],
-                                          [t.values for t in batch], steps, device)
+                                          [tokenizer.encode(row[0]) for row in answers],
+                                          answers, steps, device)
             for asked, *others in verdicts:
                 correct += asked
                 distractor += any(others)

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 
 from trainer.decoding import logits_of
+from trainer.passkey import answer_text
 
 # The answer starts after either question: passkey's or multi-key's (any name).
-QUESTION = re.compile(r"What is the pass key(?: for (\w+))?\? The pass key (?:for \w+ )?is $")
+QUESTION = re.compile(r"What is the pass key(?: for (\w+))?\? The pass key (?:for \w+ )?is$")
 ANSWER = 16  # at most this many answer tokens
 Script = Callable[[str, list[int]], int]  # (prompt text, answer ids so far) -> next id
 
@@ -59,10 +60,11 @@ class Counting(torch.nn.Module):
 
 
 def asked_and_others(prompt: str) -> tuple[str, list[str]]:
-    """The asked key and the other keys of a passkey or multi-key prompt."""
+    """The answer texts (" 71432": `answer_text`) of the asked key and of the other keys of a
+    passkey or multi-key prompt."""
     asked = re.findall(r"What is the pass key(?: for (\w+))?\?", prompt)[-1]
     found = dict(re.findall(r"The pass key (?:for (\w+) )?is (\d+)\. Remember", prompt))
-    return found[asked], [v for n, v in found.items() if n != asked]
+    return answer_text(found[asked]), [answer_text(v) for n, v in found.items() if n != asked]
 
 
 def follow(target: list[int], answer: list[int], otherwise: int) -> int:
@@ -90,7 +92,7 @@ def noisy_script(tokenizer, seed: int, splits: Callable[[str], list[list[int]]])
         options = splits(value)
         target = options[draw(seed, value) % len(options)]
         if plan == 4:  # partial: a correct start, then wrong digits
-            cut = draw(seed, "cut", value) % len(value)
+            cut = 1 + draw(seed, "cut", value) % (len(value) - 1)  # a digit, not the space
             target = tokenizer.encode(value[:cut] + str((int(value[cut]) + 1) % 10) + "0")
         roll = draw(seed, prompt[-200:], tuple(answer))
         if plan == 5 or roll % 7 == 0:

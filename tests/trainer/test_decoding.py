@@ -24,7 +24,7 @@ from tests.trainer.scripted import (
 from trainer.data import ByteTokenizer
 from trainer.decoding import judge, teacher_forced_prefix
 from trainer.evaluate import passkey_accuracy
-from trainer.passkey import FILLER, QUESTION, passkey_prompt, random_key
+from trainer.passkey import FILLER, QUESTION, answer_text, passkey_prompt, random_key
 from trainer.retrieval import NAMES, multikey_accuracy, multikey_prompt
 from trainer.tokenizer import JsonTokenizer
 
@@ -83,7 +83,8 @@ def old_passkey(model, tokenizer, lengths, depths, trials, digits, batch_size, s
                 keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
                 pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
                 out = greedy_continue(model, torch.tensor([p for p, _ in pairs]),
-                                      max(len(k) for k in keys), tokenizer.vocab_size)
+                                      max(len(answer_text(k)) for k in keys),
+                                      tokenizer.vocab_size)
                 correct += sum(tokenizer.decode(row).startswith(tokenizer.decode(a))
                                for row, (_, a) in zip(out.tolist(), pairs))
             cells.append(correct)
@@ -102,13 +103,13 @@ def old_multikey(model, tokenizer, data, lengths, depths, trials, keys, digits, 
             correct = distractor = 0
             for start in range(0, trials, batch_size):
                 batch = built[start:start + batch_size]
-                steps = max(len(v) for t in batch for v in t.values)
+                steps = max(len(answer_text(v)) for t in batch for v in t.values)
                 out = greedy_continue(model, torch.tensor([t.prompt for t in batch]), steps,
                                       tokenizer.vocab_size)
                 for trial, row in zip(batch, out.tolist()):
                     text = tokenizer.decode(row)
-                    correct += text.startswith(trial.values[0])
-                    distractor += any(text.startswith(v) for v in trial.values[1:])
+                    correct += text.startswith(answer_text(trial.values[0]))
+                    distractor += any(text.startswith(answer_text(v)) for v in trial.values[1:])
             cells.append((correct, distractor))
     return cells
 
@@ -161,7 +162,8 @@ def test_an_oracle_costs_one_forward_per_batch(bpe) -> None:
     cells = passkey_accuracy(oracle, tok, [200], [0.5], trials=8, digits=5, batch_size=4,
                              seed=0, device=CPU)
     assert cells[0].correct == 8
-    lengths = {len(tok.encode(random_key(np.random.default_rng(s), 5))) for s in range(50)}
+    lengths = {len(tok.encode(answer_text(random_key(np.random.default_rng(s), 5))))
+               for s in range(50)}
     assert len(lengths) > 1  # keys of several token counts, grouped into unpadded forwards
     assert oracle.calls <= 2 * len(lengths)  # 2 batches; greedy decoding: 2 x the longest key
 
@@ -190,6 +192,26 @@ def test_adversarial_answers(bpe, pick: str, correct: int, distractor: int) -> N
     got = [(c.correct, c.distractor) for c in cells]
     assert got == old_multikey(model, tok, stream(tok), **args)
     assert (sum(c for c, _ in got), sum(d for _, d in got)) == (correct, distractor)
+
+
+def contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_the_answer_is_the_needles_own_tokens(bpe) -> None:
+    """With a BPE tokenizer the expected answer is the token sequence the needle holds (a
+    question ending in "is " asked for the digits re-split after a lone space, which a small
+    model did not learn to produce), for the passkey and the multi-key asked value."""
+    rng = np.random.default_rng(0)
+    for t in range(40):
+        key = random_key(rng, 5)
+        prompt, answer = passkey_prompt(bpe, 300, 0.5, key)
+        assert contains(prompt[:-len(bpe.encode(QUESTION))], answer), key
+        assert bpe.decode(answer) == answer_text(key) == " " + key
+        m = multikey_prompt(bpe, stream(bpe), 500, 0.5, 3, 5, np.random.default_rng(t))
+        needle = m.prompt[m.starts[0]:m.starts[0] + 30]
+        assert contains(needle, bpe.encode(answer_text(m.values[0])))
+    assert not contains(passkey_prompt(bpe, 300, 0.5, "71432")[0], bpe.encode("71432"))
 
 
 def test_judge_decides_from_a_prefix_only_when_decoding_is_prefix_stable() -> None:

@@ -22,7 +22,7 @@ TOK = ByteTokenizer()
 def test_passkey_prompt_has_exact_length_and_puts_the_needle_at_depth(depth: float) -> None:
     prompt, answer = passkey_prompt(TOK, 600, depth, "71432")
     text = TOK.decode(prompt)
-    assert len(prompt) == 600 and text.endswith(QUESTION) and TOK.decode(answer) == "71432"
+    assert len(prompt) == 600 and text.endswith(QUESTION) and TOK.decode(answer) == " 71432"
     at = text.index("The pass key is 71432") / (600 - len(QUESTION))
     assert abs(at - depth) < 0.15
     with pytest.raises(ValueError, match="too short"):
@@ -58,6 +58,7 @@ def test_passkey_mix_is_deterministic_per_sample_and_ends_with_the_key() -> None
     for text in keyed:
         key = text[-5:]
         assert key.isdigit() and f"The pass key is {key}." in text
+        assert text.endswith(f"The pass key is {key}")  # the question, then the answer
 
 
 def test_passkey_keys_change_every_epoch_and_resume_exactly() -> None:
