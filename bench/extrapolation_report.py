@@ -96,8 +96,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         for ax, key in zip(axes, ("passkey", "multikey", "ppl")):
             y = [math.nan if r[key] is None else r[key] for r in mine]
             ax.plot(x, y, marker="o", label=method)
+    lengths = sorted({r["length"] for r in rows})
     for ax, name in zip(axes, ("passkey accuracy", "multi-key accuracy", "perplexity")):
         ax.set(xscale="log", xlabel="context length (tokens)", ylabel=name, title=name)
+        ax.set_xticks(lengths, [f"{n}\n{cell_multiple(rows, n)}" for n in lengths])
+        ax.minorticks_off()
         if name != "perplexity":
             ax.set_ylim(-0.02, 1.02)
         else:
