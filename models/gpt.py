@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from models.config import LongContextConfig
+from models.fused_rope import install as install_fused_rope
 from models.rope_scaling import RopeScaling, rope_frequencies
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from models.spec import block_spec, no_rope_pattern
@@ -36,6 +37,7 @@ class BuildOptions:
     recompute_num_layers: int = 0
     recompute_keep_attention: bool = False
     fused_norm: bool = False
+    fused_rope: bool = False
     # False: parameters are allocated but not randomly initialised (every one is about to be
     # overwritten, e.g. by an import): no fp32 master copies, no init time.
     initialize: bool = True
@@ -152,8 +154,17 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
                        on_gpu: bool = False, recompute: str = "none",
                        recompute_modules: Sequence[str] = (), recompute_num_layers: int = 0,
                        recompute_keep_attention: bool = False,
-                       fused_norm: bool = False, initialize: bool = True) -> LongContextConfig:
-    """The megatron config for a model shape, attention variant and parallel layout."""
+                       fused_norm: bool = False, fused_rope: bool = False,
+                       initialize: bool = True) -> LongContextConfig:
+    """The megatron config for a model shape, attention variant and parallel layout.
+
+    `fused_rope` turns on megatron's `apply_rope_fusion` with our Triton kernels
+    (models/fused_rope.py) for the layers megatron rotates; DCA rotates q and k itself, in its
+    own fused kernels, so the setting changes nothing there.
+    """
+    rope_fusion = fused_rope and attention.kind != "dca"
+    if rope_fusion:
+        install_fused_rope()
     no_rope = no_rope_pattern(attention.kind, model.num_layers, attention.global_layer_interval)
     recompute_kwargs = recompute_options(recompute, list(recompute_modules), recompute_num_layers,
                                          recompute_keep_attention, model.num_layers)
@@ -190,7 +201,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion,
         fused_rmsnorm=fused_norm and model.normalization == "RMSNorm",
         no_rope_freq=no_rope,
         attention_kind=attention.kind,

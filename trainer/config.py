@@ -67,6 +67,7 @@ class TrainerConfig:
     # full: keep each core attention's output and LSE rather than re-run it (models/recompute.py)
     recompute_keep_attention: bool = True
     fused_norm: bool = False  # RMSNorm as one Triton pass each way on the GPU (models/fused.py)
+    fused_rope: bool = False  # megatron's RoPE as one Triton pass each way (models/fused_rope.py)
 
 
 @dataclass

@@ -46,7 +46,8 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     check_model(cfg.model, cfg.attention, cfg.parallel, bf16=bf16, on_gpu=device == "cuda",
                 recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
                 recompute_num_layers=t.recompute_num_layers,
-                recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm)
+                recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
+                fused_rope=t.fused_rope)
     if cfg.checkpoint.load:
         check_checkpoint_load(cfg.checkpoint.load)
 

@@ -1,0 +1,122 @@
+"""Fused RoPE (models/fused_rope.py) against megatron's own unfused RoPE as the oracle: values
+and gradients in float64, packed (THD) sequences, and a whole model switched to
+`apply_rope_fusion` (same state, same logits and gradients). On CPU the kernels' torch
+fallback runs; tests/gpu/test_fused_rope_gpu.py runs the Triton path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from models.fused_rope import fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd
+from models.gpt import build_gpt, transformer_config
+from models.schema import AttentionConfig, ModelConfig
+from parallel.distributed import initialize_parallel, shutdown
+
+
+@pytest.fixture
+def single_process():
+    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
+    yield
+    shutdown()
+
+
+def _freqs(seq: int, dim: int) -> torch.Tensor:
+    """megatron's RotaryEmbedding table (its CPU-initialised frequencies, its layout): [seq, 1,
+    1, dim] float32, the two halves repeating the angles."""
+    rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=500000,
+                           use_cpu_initialization=True)
+    angles = rope.get_freqs_non_repeated(seq)  # [seq, dim / 2]
+    return torch.cat([angles, angles], dim=-1)[:, None, None, :]
+
+
+def _qkv_slice(s: int, b: int, h: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """q as megatron holds it: a strided view into a fused QKV projection."""
+    qkv = torch.randn(s, b, h, 3 * d, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    return qkv[..., :d].requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_matches_megatrons_unfused_rope_and_its_gradient(dtype: torch.dtype) -> None:
+    s, b, h, d = 300, 2, 3, 16
+    freqs = _freqs(s, d)
+    x = _qkv_slice(s, b, h, d, dtype)
+    grad = torch.randn(s, b, h, d, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = fused_apply_rotary_pos_emb(ours, freqs)
+    expected = rope_utils._apply_rotary_pos_emb_bshd(ref, freqs)
+    # Both read float32 cos / sin tables (megatron's from its float32 angles): an ulp of a table
+    # entry (torch's vectorised cos on another shape) is the only difference left.
+    tol = dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, expected, **tol)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(ours.grad, ref.grad, **tol)
+    assert out.shape == x.shape and out.dtype == dtype
+
+
+def test_backward_is_the_transpose_by_finite_differences() -> None:
+    """<R x, g> = <x, R^T g> for the forward and backward as written (float64)."""
+    s, b, h, d = 40, 1, 2, 8
+    freqs = _freqs(s, d)
+    x = torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: fused_apply_rotary_pos_emb(t, freqs), (x,))
+
+
+def test_packed_sequences_restart_at_position_zero() -> None:
+    h, d = 2, 8
+    cu = torch.tensor([0, 5, 17, 40], dtype=torch.int32)
+    freqs = _freqs(64, d)
+    x = torch.randn(40, h, d, dtype=torch.float64, requires_grad=True)
+    out = fused_apply_rotary_pos_emb_thd(x, cu, freqs)
+    parts = [rope_utils._apply_rotary_pos_emb_bshd(x[a:e, None], freqs[:e - a])[:, 0]
+             for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    torch.testing.assert_close(out, torch.cat(parts))
+    torch.autograd.gradcheck(lambda t: fused_apply_rotary_pos_emb_thd(t, cu, freqs), (x,))
+
+
+def test_refuses_tables_it_does_not_rotate_by() -> None:
+    x = torch.randn(8, 1, 2, 16)
+    with pytest.raises(ValueError, match="rotate-half"):
+        fused_apply_rotary_pos_emb(x, _freqs(8, 16), interleaved=True)
+    with pytest.raises(ValueError, match=r"\[s, 1, 1, 16\]"):
+        fused_apply_rotary_pos_emb(x, _freqs(8, 8))  # rotary_percent < 1
+
+
+@pytest.mark.parametrize("kind", ["standard", "chunked"])
+def test_a_model_with_fused_rope_is_the_same_model(single_process, kind: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ModelConfig(num_query_groups=2, rope_theta=500000.0)
+    attention = AttentionConfig(kind=kind, chunk_size=16, global_layer_interval=2)
+    plain_cfg = transformer_config(model, attention)
+    fused_cfg = transformer_config(model, attention, fused_rope=True)
+    assert fused_cfg.apply_rope_fusion and not plain_cfg.apply_rope_fusion
+    assert rope_utils.fused_apply_rotary_pos_emb is fused_apply_rotary_pos_emb  # no TE here
+    calls = []
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb",
+                        lambda *a, **k: calls.append(1) or fused_apply_rotary_pos_emb(*a, **k))
+    plain, fused = build_gpt(plain_cfg, 256, 64), build_gpt(fused_cfg, 256, 64)
+    fused.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(64).expand_as(tokens)
+    losses = []
+    for net in (plain, fused):
+        out = net(tokens, positions, None)
+        out.float().pow(2).mean().backward()
+        losses.append(out)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    rotated = 2 if kind == "standard" else 1  # chunked: layer 2 is global, without RoPE
+    assert len(calls) == 2 * rotated  # q and k of each rotated layer, through our kernel
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_dca_keeps_its_own_rotation() -> None:
+    """DCA rotates q and k in its own kernels: fused_rope leaves megatron's fusion off there
+    (turning it on would be refused: models/config.py)."""
+    config = transformer_config(ModelConfig(), AttentionConfig(kind="dca", dca_chunk_size=32,
+                                                               dca_local_size=8),
+                                fused_rope=True)
+    assert not config.apply_rope_fusion
