@@ -5,9 +5,9 @@ megatron applies RoPE to q and k of every standard layer. Its unfused path (rope
 runs five elementwise kernels per tensor (~5% of a 32K step of the 1.3B model). With
 `config.apply_rope_fusion` it calls `rope_utils.fused_apply_rotary_pos_emb` instead, which is
 Transformer Engine's kernel when TE is installed and None otherwise. `install()` puts ours there
-when the slot is empty: one Triton pass each way (`rotate_multi` / `rotate_transpose_sum`, the
-kernels DCA rotates with), arithmetic in float32 from float32 tables and one rounding to the
-output dtype. Selected by `trainer.fused_rope` (models/gpt.py `transformer_config`).
+when the slot is empty: one Triton pass each way (`rotate`, on the kernels DCA rotates with),
+arithmetic in float32 from float32 tables and one rounding to the output dtype. Selected by
+`trainer.fused_rope` (models/gpt.py `transformer_config`).
 
 megatron hands the table for this rank's tokens (context parallelism included), so each row of
 `freqs` is the angle set of one token: positions are simply the rows, and packed (THD) sequences
@@ -16,32 +16,10 @@ restart at 0 per sequence, as megatron's unfused THD path does.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from models.attention.rope import rotate_multi, rotate_transpose_sum
-
-
-class _RotaryEmbedding(torch.autograd.Function):
-    """x [b, s, h, d] -> R(positions) x; the backward applies the transposed rotation."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tensor,
-                sin_half: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(positions, cos_half, sin_half)
-        return rotate_multi(x, positions, cos_half, sin_half)[0]  # [b, s, h, d], contiguous
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        positions, cos_half, sin_half = ctx.saved_tensors
-        if grad.stride(-1) != 1:
-            grad = grad.contiguous()
-        dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        for b in range(grad.shape[0]):
-            rotate_transpose_sum([grad[b]], [positions[0]], cos_half, sin_half, dx[b])
-        return dx, None, None, None
+from models.attention.rope import rotate
 
 
 def _half_tables(freqs: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +42,8 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor,
                          "(model.rotary_interleaved=false)")
     s = t.shape[0]
     cos_half, sin_half = _half_tables(freqs[:s], t.shape[-1])
-    positions = torch.arange(s, dtype=torch.int32, device=t.device)[None]  # [1, s]
-    out = _RotaryEmbedding.apply(t.transpose(0, 1), positions, cos_half, sin_half)
+    positions = torch.arange(s, dtype=torch.int32, device=t.device)
+    out = rotate(t.transpose(0, 1), positions, cos_half, sin_half)  # [b, s, h, d]
     return out.transpose(0, 1)  # [s, b, h, d]
 
 
@@ -79,8 +57,8 @@ def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor,
     index = torch.arange(t.shape[0], device=t.device)
     cu = cu_seqlens.to(device=t.device, dtype=torch.int64)
     sequence = torch.searchsorted(cu[1:], index, right=True)
-    positions = (index - cu[sequence]).to(torch.int32)[None]  # [1, tokens]
-    return _RotaryEmbedding.apply(t.unsqueeze(0), positions, cos_half, sin_half)[0]
+    positions = (index - cu[sequence]).to(torch.int32)
+    return rotate(t.unsqueeze(0), positions, cos_half, sin_half)[0]
 
 
 def install() -> None:

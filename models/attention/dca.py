@@ -21,9 +21,9 @@ Kernel calls per document of N tokens (nf = N div L full chunks, then a tail):
   successive: one full call over chunk pairs (c, c - 1) batched, one for the tail;
   inter:      one full call per chunk c >= 2 over keys [0, (c - 1) L) (the backward may cut
               this staircase per key chunk instead; see _backward_document).
-Nothing is S x S on the fused (CUDA fp16/bf16) path and K/V are never repeated for GQA. The
-rotated q/k are recomputed in backward (one fused pass) rather than kept as four more saved
-activations per layer.
+Documents of at most C tokens are plain causal attention at their own positions (one call; see
+_Plan.causal). Nothing is S x S on the fused (CUDA fp16/bf16) path, K/V are never repeated. The
+rotated q/k are recomputed in backward (one fused pass), not kept as saved activations.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from models.attention.causal import causal_attention
 from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
-from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
+from models.attention.rope import rope_cos_sin, rotate, rotate_multi, rotate_transpose_sum
 from models.recompute import keep_attention, kept_attention
 from models.rope_scaling import RopeScaling
 
@@ -103,9 +104,10 @@ class _Plan:
             self.docs = [(0, a, e - a) for a, e in itertools.pairwise(bounds) if e > a]
         max_chunks = max(-(-n // self.length) for _, _, n in self.docs)
         self.num_parts = min(3, max_chunks)  # rotations actually needed
-        self.positions = _positions(seq, chunk_size, local_size,
-                                    None if bounds is None else tuple(bounds),
-                                    q.device)[:self.num_parts]  # [parts, s]
+        positions = _positions(seq, chunk_size, local_size,
+                               None if bounds is None else tuple(bounds), q.device)
+        self.positions = positions[:self.num_parts]  # [parts, s]
+        self.in_document = positions[3]  # [s]
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Positions reach C itself (min(r + L, C)), so the table has C + 1 rows.
         self.cos, self.sin = _tables(chunk_size + 1, head_dim, theta, mscale, table_dtype,
@@ -114,6 +116,11 @@ class _Plan:
         self.q_scale = query_factors(scaling, chunk_size, seq,
                                      None if bounds is None else tuple(bounds), self.num_parts,
                                      table_dtype, q.device)
+        # Documents of at most C tokens (and 2L: no inter part) are causal attention under RoPE
+        # at their own positions: chunk 1's offsets r < w, so its successive query sits at
+        # r + L = p, unclamped, and every relative distance is the true one.
+        longest = max(n for _, _, n in self.docs)
+        self.causal = self.q_scale is None and longest <= min(chunk_size, 2 * self.length)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
@@ -127,7 +134,8 @@ class _Plan:
 @functools.lru_cache(maxsize=16)
 def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ...] | None,
                device: torch.device) -> torch.Tensor:
-    """[3, seq] int32 query positions of every token for intra, successive and inter.
+    """[4, seq] int32 query positions of every token for intra, successive and inter, then its
+    position in its document (the causal case's).
 
     Row 0 (r, the in-chunk offset) is also every key's position. Built on the CPU and cached,
     so a layer's call launches nothing for it; positions restart at each document.
@@ -140,7 +148,7 @@ def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ..
     r = in_doc % length
     succ = torch.clamp(r + length, max=chunk_size)
     inter = torch.full_like(r, min(2 * length - 1, chunk_size))
-    return torch.stack([r, succ, inter]).to(torch.int32).to(device, non_blocking=True)
+    return torch.stack([r, succ, inter, in_doc]).to(torch.int32).to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=16)
@@ -342,6 +350,10 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     plan = _Plan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
                  scaling or DCAScaling(), rope_scaling)
+    if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
+        q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
+        return causal_attention(q, k, v, softmax_scale=scale,
+                                cu_seqlens=None if bounds is None else torch.tensor(bounds))
     return _DualChunkAttention.apply(q, k, v, plan, scale)
 
 

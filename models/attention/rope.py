@@ -13,6 +13,7 @@ with sin negated: R(p)^T x = x * cos - rotate_half(x) * sin. Backward passes use
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -137,6 +138,34 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
         NUM_IN=len(grads), ROTATE=positions is not None, HALF=d // 2, BLOCK_S=block_s,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
     )
+
+
+class _Rotate(torch.autograd.Function):
+    """x [b, s, h, d] -> R(positions) x in one pass; the backward applies the transposed
+    rotation (`rotate_transpose_sum` of one gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tensor,
+                sin_half: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(positions, cos_half, sin_half)
+        return rotate_multi(x, positions[None], cos_half, sin_half)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        positions, cos_half, sin_half = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        for b in range(grad.shape[0]):
+            rotate_transpose_sum([grad[b]], [positions], cos_half, sin_half, dx[b])
+        return dx, None, None, None
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tensor,
+           sin_half: torch.Tensor) -> torch.Tensor:
+    """Differentiable RoPE of x [b, s, h, d] (any strides, unit last stride) at `positions`
+    (contiguous [s] int32 rows of the [P, d/2] half tables): a contiguous [b, s, h, d]."""
+    return _Rotate.apply(x, positions, cos_half, sin_half)
 
 
 if triton is not None:

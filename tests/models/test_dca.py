@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.attention import dca
 from models.attention.dca import dual_chunk_attention
+from models.attention.dca_scaling import DCAScaling
 from tests.reference import (
     causal_mask,
     dense_attention,
@@ -239,3 +241,41 @@ def test_bad_shapes() -> None:
     with pytest.raises(ValueError, match="need batch 1"):
         q2, k2, v2 = make_qkv(2, 8, 2, 2, 8)
         dual_chunk_attention(q2, k2, v2, chunk_size=16, local_size=4, cu_seqlens=[0, 8])
+
+
+def _general_path(q, k, v, chunk_size: int, local_size: int, cu_seqlens=None) -> torch.Tensor:
+    """DCA through the per-part kernels, bypassing the S <= C shortcut."""
+    bounds = None if cu_seqlens is None else cu_seqlens.tolist()
+    plan = dca._Plan(q, chunk_size, local_size, 10000.0, 1.0, bounds, DCAScaling())
+    return dca._DualChunkAttention.apply(q, k, v, plan, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize(("seq", "cu"), [(12, None), (16, None), (10, None),
+                                         (40, [0, 16, 17, 30, 40])])
+def test_documents_within_a_chunk_take_one_causal_call(seq: int, cu: list[int] | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """C = 16, w = 4 (L = 12): documents of up to 16 tokens span chunks 0 and 1 at most; the
+    shortcut (one causal call at the document's positions) equals the per-part computation."""
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v = make_qkv(1, seq, 4, 2, 8)
+    general = _general_path(q, k, v, 16, 4, cu_seqlens)
+    expected = grads(general, [q, k, v])
+    monkeypatch.setattr(dca._DualChunkAttention, "apply", None)  # the shortcut must not need it
+    ours = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, cu_seqlens=cu_seqlens)
+    assert rel_err(ours, general) < 1e-12
+    for g_ours, g_general in zip(grads(ours, [q, k, v]), expected):
+        assert rel_err(g_ours, g_general) < 1e-12
+    assert_matches_reference(1, seq, 4, 2, 8, chunk_size=16, local_size=4, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize(("seq", "local_size", "scaling"), [
+    (17, 4, "none"),  # longer than C
+    (16, 10, "none"),  # C = 16, L = 6: token 12 on is in chunk 2 (inter part)
+    (16, 4, "log"),  # a logit factor per part
+])
+def test_the_shortcut_is_not_taken_where_dca_is_not_causal(seq: int, local_size: int,
+                                                           scaling: str) -> None:
+    q, _, _ = make_qkv(1, seq, 2, 2, 8)
+    plan = dca._Plan(q, 16, local_size, 10000.0, 1.0, None,
+                     DCAScaling(kind=scaling, floor_scale=4))
+    assert not plan.causal
