@@ -54,6 +54,7 @@ from extrapolation_corpus import (  # noqa: E402
 from extrapolation_report import collect, write  # noqa: E402
 
 PERPLEXITY_WINDOWS = {False: 8, True: 2}  # eval.perplexity_windows, by --smoke
+ATTENTION_QUERIES = {False: 32, True: 4}  # eval.attention_queries (the attention probe)
 METHODS = ("standard", "pi", "ntk", "yarn", "dca", "dca+log", "dca+yarn")
 
 
@@ -212,7 +213,8 @@ def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
                         f"eval.passkey_trials={args.trials}", f"eval.multikey_trials={args.trials}",
                         f"eval.batch_size={args.eval_batch}", f"eval.trained_length={args.seq}",
                         f"eval.perplexity_windows={PERPLEXITY_WINDOWS[args.smoke]}",
-                        f"eval.multikey_keys={1 if args.smoke else 4}", *extra]
+                        f"eval.multikey_keys={1 if args.smoke else 4}",
+                        f"eval.attention_queries={ATTENTION_QUERIES[args.smoke]}", *extra]
     if any(o.startswith("+extrapolation=") for o in extra):
         longer = [n for n in lengths if n > args.seq]
         if not longer:

@@ -13,6 +13,7 @@ def summarize(method: str, result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per length of one eval.json: passkey and multi-key accuracy over all depths,
     perplexity, and perplexity at positions >= the trained length (None when none are)."""
     trained = result["trained_length"]
+    probed = {a["length"]: a for a in result.get("attention_by_distance", [])}
     rows = []
     for point in result["perplexity"]:
         n = point["length"]
@@ -31,8 +32,20 @@ def summarize(method: str, result: dict[str, Any]) -> list[dict[str, Any]]:
             "ppl": point["perplexity"],
             "ppl_beyond_T": math.exp(sum(b["nll"] * b["tokens"] for b in beyond) / tokens)
             if tokens else None,
+            **_attention(probed.get(n), trained),
         })
     return rows
+
+
+def _attention(point: dict[str, Any] | None, trained: int) -> dict[str, float | None]:
+    """Mean over layers of the probed queries' attention entropy and of their probability mass
+    on keys at distance >= T (None: not probed)."""
+    if point is None:
+        return {"attention_entropy": None, "attention_beyond_T": None}
+    far = [i for i, e in enumerate(point["edges"]) if e >= trained]
+    layers = len(point["entropy"])
+    return {"attention_entropy": sum(point["entropy"]) / layers,
+            "attention_beyond_T": sum(sum(m[i] for i in far) for m in point["mass"]) / layers}
 
 
 def _share(cells: list[dict[str, Any]], key: str, total: str) -> float | None:
@@ -71,6 +84,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 [_fmt(r["passkey"]), _fmt(r["multikey"]), _fmt(r["ppl"]),
                  _fmt(r["ppl_beyond_T"])]))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if any(r.get("attention_entropy") is not None for r in rows):
+        lines += ["", "Attention of queries in the second half of a window (mean over layers): "
+                  "entropy (nats) / probability mass on keys at distance >= T.", "",
+                  head, "|" + " --- |" * (len(lengths) + 1)]
+        for m in methods:
+            cells = [cell.get((m, n)) for n in lengths]
+            lines.append(f"| {m} | " + " | ".join(
+                "" if r is None or r.get("attention_entropy") is None else
+                f"{r['attention_entropy']:.2f} / {r['attention_beyond_T']:.3f}"
+                for r in cells) + " |")
     labels = list(dict.fromkeys(f"- {r['method']}: `{r['label']}`" for r in rows))
     trials = {(r["passkey_trials"], r["multikey_trials"]) for r in rows}
     return "\n".join(lines + ["", "Run labels:", *labels, "",

@@ -111,6 +111,9 @@ class EvalConfig:
     multikey_keys: int = 4  # needles per prompt: the asked one and keys - 1 distractors
     perplexity_windows: int = 8  # windows of the longest length; shorter lengths tile the same text
     trained_length: int | None = None  # position buckets 0, T, 2T, ...; None: the checkpoint's
+    # Attention entropy and mass by key distance for this many queries per length (0: off;
+    # models/attention/probe.py); TP=1 only
+    attention_queries: int = 0
     batch_size: int = 4
     seed: int = 0
 

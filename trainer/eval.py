@@ -148,7 +148,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from models.attention.dca_scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, resolve_device, shutdown
     from trainer.data import build_datasets
-    from trainer.evaluate import passkey_accuracy, perplexity_by_length
+    from trainer.evaluate import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.retrieval import multikey_accuracy
 
     check_known_keys(cfg)
@@ -189,6 +189,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         points = perplexity_by_length(model, valid.stream, list(e.lengths), e.perplexity_windows,
                                       e.batch_size, tokenizer.vocab_size, device,
                                       trained_length)
+        attention = attention_by_distance(model, valid.stream, list(e.lengths),
+                                          e.attention_queries, tokenizer.vocab_size, device,
+                                          trained_length) if e.attention_queries > 0 else []
     finally:
         shutdown()
     results = {
@@ -200,6 +203,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         "multikey": [asdict(c) | {"accuracy": c.accuracy} for c in multikey],
         "perplexity": [asdict(p) | {"perplexity": p.perplexity, "buckets": [
             asdict(b) | {"perplexity": b.perplexity} for b in p.buckets]} for p in points],
+        "attention_by_distance": [asdict(a) for a in attention],
     }
     if topo.is_main:
         (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
@@ -218,6 +222,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             point = next(p for p in points if p.length == n)
             log.info("length %6d: perplexity by position %s", n, ", ".join(
                 f"[{b.start},{b.end}) {b.perplexity:.3f}" for b in point.buckets))
+            for a in (a for a in attention if a.length == n):
+                mean = [sum(m[i] for m in a.mass) / len(a.mass) for i in range(len(a.edges))]
+                log.info("length %6d: attention entropy by layer %s; mass by distance %s", n,
+                         " ".join(f"{h:.2f}" for h in a.entropy),
+                         ", ".join(f">={e} {m:.3f}" for e, m in zip(a.edges, mean)))
         if cfg.logger.wandb:
             _log_wandb(cfg, run_dir, label, cells, points, plots, multikey)
         log.info("results in %s", run_dir)

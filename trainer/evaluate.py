@@ -125,3 +125,40 @@ def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: li
         points.append(PerplexityPoint(length, float(per_position.sum()) / (n * length), n,
                                       buckets))
     return points
+
+
+@dataclass
+class AttentionPoint:
+    """Where the model's attention goes at one length (models/attention/probe.py): per layer,
+    the mean entropy (nats) of queries at positions [length/2, length) and their probability
+    mass on keys at each distance bucket [edges[k], edges[k + 1])."""
+
+    length: int
+    rows: list[int]
+    edges: list[int]
+    entropy: list[float]  # per layer, layer 1 first
+    mass: list[list[float]]  # per layer, per distance bucket
+
+
+@torch.no_grad()
+def attention_by_distance(model: torch.nn.Module, stream: np.ndarray, lengths: list[int],
+                          queries: int, vocab_size: int, device: torch.device,
+                          trained_length: int | None = None) -> list[AttentionPoint]:
+    """Probe `queries` query positions spread over the second half of the first window of each
+    length (the perplexity's text), in one forward each."""
+    from models.attention.probe import probing
+
+    points = []
+    for length in lengths:
+        if len(stream) <= length:
+            raise UserError(f"validation stream ({len(stream)} tokens) is shorter than eval "
+                            f"length {length}; lower eval.lengths or use more data")
+        tokens = torch.tensor(np.asarray(stream[:length]).astype(np.int64), device=device)[None]
+        rows = torch.linspace(length // 2, length - 1, queries).round().long().unique()
+        edges = bucket_edges(length, trained_length)
+        with probing(rows, edges) as probe:
+            logits_of(model, tokens, vocab_size)
+        layers = [probe.layers[n] for n in sorted(probe.layers)]
+        points.append(AttentionPoint(length, rows.tolist(), edges,
+                                     [s.entropy for s in layers], [s.mass for s in layers]))
+    return points

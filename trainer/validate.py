@@ -61,6 +61,10 @@ def validate_eval(cfg: DictConfig) -> None:
         raise UserError(f"trainer.eval does not split sequences across ranks: parallel.cp="
                         f"{cfg.parallel.cp}; run it with parallel.cp=1 (a checkpoint trained "
                         "with CP loads at CP=1; eval needs no activations for backward)")
+    if cfg.eval.attention_queries < 0 or (cfg.eval.attention_queries and cfg.parallel.tp > 1):
+        raise UserError(f"eval.attention_queries={cfg.eval.attention_queries} needs a count >= 0 "
+                        f"and parallel.tp=1 (each TP rank holds only some heads; got tp="
+                        f"{cfg.parallel.tp})")
     _check_parallel(cfg.parallel, 2, _device_type(cfg.trainer.device), None)
     if not cfg.eval.lengths or min(cfg.eval.lengths) < 1:
         raise UserError(f"eval.lengths={list(cfg.eval.lengths)}: give positive context lengths")

@@ -12,6 +12,7 @@ import torch
 from models.attention.chunked import chunked_attention
 from models.attention.core import CoreAttention
 from models.attention.cp_variants import cp_chunked_attention
+from models.attention.probe import chunked_probabilities
 
 
 class ChunkedCoreAttention(CoreAttention):
@@ -25,6 +26,9 @@ class ChunkedCoreAttention(CoreAttention):
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return chunked_attention(q, k, v, chunk_size=self.chunk_size,
                                  softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+
+    def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return chunked_probabilities(q, k, rows, self.scale(q), self.chunk_size)
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cp_chunked_attention(q, k, v, chunk_size=self.chunk_size, group=self.cp_group,

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.attention.causal import causal_attention
 from models.attention.cp_variants import cp_causal_attention
+from models.attention.probe import active_probe, causal_probabilities, record
 from models.recompute import AttentionKeeper
 from models.rope_scaling import attention_factor
 
@@ -73,6 +74,13 @@ class CoreAttention(MegatronModule):
         """Context-parallel form of `attend` over this rank's tokens, same shapes."""
         raise NotImplementedError(f"{type(self).__name__} does not support context parallelism")
 
+    def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The attention probabilities [b, hq, n, s] of query `rows` (models/attention/probe.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no attention probe")
+
+    def scale(self, q: torch.Tensor) -> float:
+        return q.shape[-1] ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: object = None,
                 attention_bias: torch.Tensor | None = None,
@@ -93,7 +101,11 @@ class CoreAttention(MegatronModule):
                               packed_seq_params.cu_seqlens_q)
             return out.squeeze(0).flatten(1)
         # [s, b, h, d] -> [b, s, h, d]: a view; the kernels pick their own strides.
-        out = self.attend(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), None)
+        q, k = query.transpose(0, 1), key.transpose(0, 1)
+        probe = active_probe()
+        if probe is not None:
+            record(self.layer_number, self.probabilities(q, k, probe.rows.to(q.device)))
+        out = self.attend(q, k, value.transpose(0, 1), None)
         return out.transpose(0, 1).flatten(2)  # [s, b, h * d]
 
 
@@ -106,3 +118,6 @@ class CausalCoreAttention(CoreAttention):
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cp_causal_attention(q, k, v, group=self.cp_group, softmax_scale=self.softmax_scale)
+
+    def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return causal_probabilities(q, k, rows, self.scale(q))

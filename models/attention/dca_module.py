@@ -15,6 +15,7 @@ import torch
 from models.attention.core import CoreAttention
 from models.attention.cp_variants import cp_dual_chunk_attention
 from models.attention.dca import dual_chunk_attention
+from models.attention.probe import dca_probabilities
 from models.rope_scaling import attention_factor
 
 
@@ -36,6 +37,13 @@ class DCACoreAttention(CoreAttention):
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, scaling=self.scaling, rope_scaling=self.rope_scaling,
+        )
+
+    def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return dca_probabilities(
+            q, k, rows, self.scale(q), chunk_size=self.chunk_size, local_size=self.local_size,
+            rope_theta=self.rope_theta, mscale=self.mscale, scaling=self.scaling,
+            rope_scaling=self.rope_scaling,
         )
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

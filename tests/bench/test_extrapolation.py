@@ -34,7 +34,7 @@ def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_pa
 
 def _eval_json(trained: int) -> dict:
     """An eval.json as trainer.eval writes it, from its own dataclasses."""
-    from trainer.evaluate import PasskeyCell, PerplexityPoint, PositionBucket
+    from trainer.evaluate import AttentionPoint, PasskeyCell, PerplexityPoint, PositionBucket
     from trainer.retrieval import MultiKeyCell
 
     passkey = [PasskeyCell(128, 0.0, 3, 4), PasskeyCell(128, 1.0, 1, 4),
@@ -45,9 +45,12 @@ def _eval_json(trained: int) -> dict:
               PerplexityPoint(256, 2.5, 1, [PositionBucket(0, 128, 2.0, 127),
                                             PositionBucket(128, 192, 3.0, 64),
                                             PositionBucket(192, 256, 4.0, 64)])]
+    # two layers; 256: mass at distances [0, 128) and [128, 256)
+    attention = [AttentionPoint(256, [128, 255], [0, 128], [2.0, 3.0], [[0.9, 0.1], [0.7, 0.3]])]
     return {"label": "standard+yarn(s=2,T0=128)", "trained_length": trained,
             "passkey": [asdict(c) for c in passkey], "multikey": [asdict(c) for c in multikey],
-            "perplexity": [asdict(p) | {"perplexity": math.exp(p.nll)} for p in points]}
+            "perplexity": [asdict(p) | {"perplexity": math.exp(p.nll)} for p in points],
+            "attention_by_distance": [asdict(a) for a in attention]}
 
 
 def test_table_reads_eval_json(tmp_path: Path) -> None:
@@ -60,8 +63,11 @@ def test_table_reads_eval_json(tmp_path: Path) -> None:
     assert [r["multikey_distractor"] for r in rows] == [1 / 4, 2 / 4]
     assert rows[0]["ppl_beyond_T"] is None  # no position at or past T = 128
     assert math.isclose(rows[1]["ppl_beyond_T"], math.exp(3.5))  # 64 tokens at 3, 64 at 4
+    assert rows[0]["attention_entropy"] is None  # 128 was not probed
+    assert rows[1]["attention_entropy"] == 2.5 and math.isclose(rows[1]["attention_beyond_T"], 0.2)
     files = extrapolation_report.write(rows, tmp_path / "out", {"model": "tiny", "seq_length": 128})
     table = files[1].read_text()
+    assert "| yarn |  | 2.50 / 0.200 |" in table
     assert "| yarn | 0.50 / 0.75 / 7.39 / — | 0.25 / 0.00 / 12.18 / 33.12 |" in table
     assert "256 (2T)" in table and "standard+yarn(s=2,T0=128)" in table
     assert json.loads(files[0].read_text())["rows"] == rows

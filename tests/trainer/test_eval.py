@@ -126,7 +126,7 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
         "attention.dca_scaling=yarn", "eval.multikey_trials=1", "eval.multikey_keys=2",
         f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}", "eval.lengths=[256,384]",
         "eval.depths=[0.0,1.0]", "eval.passkey_trials=2", "eval.perplexity_windows=1",
-        "logger.mode=offline",
+        "eval.attention_queries=4", "logger.mode=offline",
     ])
     out = tmp_path / "eval"
     out.mkdir()
@@ -140,6 +140,11 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
     # run_training's seq_length 64 is the buckets' T: 0..T, T..2T, 2T..
     assert [[(b["start"], b["end"]) for b in p["buckets"]] for p in results["perplexity"]] == [
         [(0, 64), (64, 128), (128, 256)], [(0, 64), (64, 128), (128, 256), (256, 384)]]
+    by_distance = results["attention_by_distance"]
+    assert [(a["length"], a["edges"], len(a["entropy"])) for a in by_distance] == [
+        (256, [0, 64, 128], 2), (384, [0, 64, 128, 256], 2)]
+    assert by_distance[0]["rows"] == [128, 170, 213, 255]  # the second half of the window
+    assert all(sum(m) == pytest.approx(1.0) for a in by_distance for m in a["mass"])
     assert json.loads((out / "eval.json").read_text()) == results
     assert (out / "passkey.png").stat().st_size > 0 and (out / "perplexity.png").is_file()
     assert list((out / "wandb").glob("offline-run-*"))
@@ -154,6 +159,15 @@ def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training,
     cfg = compose_config(["+attention=head_gate", "eval.lengths=[128]", "logger=none",
                           f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}"])
     with pytest.raises(CheckpointMismatchError, match="linear_qkv.weight._gate"):
+        eval_entry.evaluate(cfg, tmp_path)
+
+
+def test_eval_refuses_an_attention_probe_split_over_tp(tmp_path: Path) -> None:
+    from trainer import eval as eval_entry
+
+    cfg = compose_config(["eval.lengths=[128]", "logger=none", "parallel.tp=2",
+                          "eval.attention_queries=8", f"checkpoint.load={tmp_path / 'missing'}"])
+    with pytest.raises(ValueError, match=r"eval.attention_queries=8 needs .* parallel.tp=1"):
         eval_entry.evaluate(cfg, tmp_path)
 
 
