@@ -1,9 +1,10 @@
 """Where attention goes: the probabilities of a few queries, to explain extrapolation results.
 
 The fused kernels never form the attention matrix. Under `probing(rows, edges)` every core
-attention (unpacked sequences, no context parallelism: as `trainer.eval` runs) also computes, for the query rows `rows` only, the probabilities its variant assigns
-to every key (dense, float64, from the same q and k its kernel gets; the variant's mask and
-positions), and records per layer:
+attention (unpacked sequences, no context parallelism: as `trainer.eval` runs) also computes,
+for the query rows `rows` only, the probabilities its variant assigns to every key (dense,
+float64, from the same q and k its kernel gets; the variant's mask and positions), and records
+per layer:
 
     entropy   mean over batch, heads and rows of -sum_j p_j ln p_j (nats); uniform over n keys
               is ln n, so a flat (diluted) softmax shows as entropy growing with the length;
