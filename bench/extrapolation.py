@@ -259,7 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     steps = probe_steps(args, base)
     if corpus:
         count_epochs(corpus, tokenizer, args.seq, steps * args.batch, args.passkey_fraction)
-    ckpt = train(base + train_overrides(args, steps), args.work / "train")
+    methods = evaluations(args)
+    # The first model, unless the run only asks for the iRoPE one (its own session's worth)
+    ckpt = train(base + train_overrides(args, steps), args.work / "train") \
+        if methods or args.dca_finetune_steps else None
     meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
             "lr": args.lr, "vocab": args.vocab, "passkey_fraction": args.passkey_fraction,
             "lengths": lengths, "trials": args.trials,
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         for path in write(rows, args.out, meta):
             print("wrote", path, flush=True)
 
-    for name, extra in evaluations(args).items():
+    for name, extra in methods.items():
         runs[name] = evaluate(args, name, ckpt, extra, base, lengths)
         publish()
     if args.irope:
