@@ -26,7 +26,10 @@ model can retrieve at T and the retrieval columns measure extrapolation, not the
 
 Re-running with the same --work reuses finished trainings and evaluations and resumes a
 training cut short (checkpoints every fifth of the run); results are rewritten after every
-method, so a run stopped by a time limit keeps what it measured.
+method, so a run stopped by a time limit keeps what it measured. Every run logs to wandb in the
+group --group (offline unless WANDB_MODE says otherwise); their run directories are copied to
+OUT/wandb with the results, so a machine without network brings them back for
+`wandb sync OUT/wandb/offline-run-*`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -139,6 +143,16 @@ def train(overrides: list[str], run_dir: Path) -> Path:
     run("trainer", overrides + [f"trainer.save_interval={max(1, steps // 5)}",
                                 f"hydra.run.dir={run_dir}"], run_dir.with_suffix(".log"))
     return ckpt
+
+
+def copy_wandb_runs(work: Path, dest: Path) -> list[Path]:
+    """Copy every wandb run directory under `work` (`*/wandb/offline-run-*` or `run-*`) to
+    `dest`, newer files replacing older copies; returns the copies."""
+    copies = []
+    for run in sorted(work.glob("**/wandb/*run-*")):
+        if run.is_dir():
+            copies.append(Path(shutil.copytree(run, dest / run.name, dirs_exist_ok=True)))
+    return copies
 
 
 def common(args: argparse.Namespace, tokenizer: Path, corpus: Corpus | None) -> list[str]:
@@ -277,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         meta["seconds"] = round(time.perf_counter() - t_start)
         for path in write(rows, args.out, meta):
             print("wrote", path, flush=True)
+        copy_wandb_runs(args.work, args.out / "wandb")
 
     for name, extra in methods.items():
         runs[name] = evaluate(args, name, ckpt, extra, base, lengths)

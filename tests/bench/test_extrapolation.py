@@ -129,3 +129,21 @@ def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
         extrapolation_corpus.build_corpus([src, src / "pkg1"], "*.py", tmp_path / "w2", 300,
                                           0.002, None, need, run)
     assert exc.value.code == 2 and calls == ["trainer.build_data"]
+
+
+def test_wandb_runs_are_copied_beside_the_results(tmp_path: Path) -> None:
+    """Offline runs of every training and evaluation go to OUT/wandb for `wandb sync`; a later
+    copy brings the files a run wrote since."""
+    work, out = tmp_path / "work", tmp_path / "out" / "wandb"
+    first = work / "train" / "wandb" / "offline-run-20261123_1-a"
+    second = work / "eval" / "dca" / "wandb" / "offline-run-20261123_2-b"
+    for run in (first, second):
+        (run / "files").mkdir(parents=True)
+        (run / "run-x.wandb").write_text("1")
+    (work / "train" / "wandb" / "debug.log").write_text("not a run")
+    copies = extrapolation.copy_wandb_runs(work, out)
+    assert sorted(p.name for p in copies) == [first.name, second.name]
+    (second / "run-x.wandb").write_text("12")
+    extrapolation.copy_wandb_runs(work, out)
+    assert (out / second.name / "run-x.wandb").read_text() == "12"
+    assert not (out / "debug.log").exists()
