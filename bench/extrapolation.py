@@ -21,8 +21,9 @@ first model fine-tuned N steps with DCA (chunk T/2 < T, so it sees chunk structu
 evaluated with DCA again (a resume at a constant lr/3 with the scheduler overridden).
 Training length: a short probe measures the step time, and max_steps is set so that training
 takes --minutes (the schedule then decays over the whole run). --passkey-fraction of the
-training samples are passkey examples at T (default 0.5, as `+experiment=passkey`), so that the
-model can retrieve at T and the retrieval columns measure extrapolation, not the task.
+training samples are passkey examples at T and --multikey-fraction multi-key examples (0.25
+each; 4 needles in the sample's own text), so that the model can retrieve at T and the
+retrieval columns measure extrapolation, not the task.
 
 Re-running with the same --work reuses finished trainings and evaluations and resumes a
 training cut short (checkpoints every fifth of the run); results are rewritten after every
@@ -87,8 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="1,2,4,8,16", help="multiples of T")
     p.add_argument("--trials", type=int, default=10, help="per (length, depth); 5 depths")
     p.add_argument("--eval-batch", type=int, default=4)
-    p.add_argument("--passkey-fraction", type=float, default=0.5,
+    p.add_argument("--passkey-fraction", type=float, default=0.25,
                    help="share of training samples that are passkey examples at T")
+    p.add_argument("--multikey-fraction", type=float, default=0.25,
+                   help="share of training samples that are multi-key examples at T (4 keys)")
     p.add_argument("--methods", help="comma-separated subset of the training-free methods "
                    "(default all: " + ",".join(METHODS) + "), or none")
     p.add_argument("--irope", action="store_true", help="also train chunked + global layers")
@@ -171,6 +174,7 @@ def train_overrides(args: argparse.Namespace, steps: int) -> list[str]:
             f"trainer.lr={args.lr:g}", f"trainer.min_lr={args.lr / 10:g}",
             f"trainer.warmup_steps={max(1, steps // 20)}", "trainer.eval_interval=0",
             f"data.passkey_fraction={args.passkey_fraction:g}",
+            f"data.multikey_fraction={args.multikey_fraction:g}",
             f"trainer.log_interval={max(1, steps // 50)}"]
 
 
@@ -192,7 +196,8 @@ def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
 
 def _run_probe(args: argparse.Namespace, base: list[str], d: Path) -> None:
     timing = [o for o in train_overrides(args, args.probe_steps)
-              if not o.startswith(("data.passkey_fraction=", "trainer.log_interval="))]
+              if not o.startswith(("data.passkey_fraction=", "data.multikey_fraction=",
+                                   "trainer.log_interval="))]
     run("trainer", base + timing + [
         "checkpoint.save=false", "trainer.log_interval=1",
         "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")
@@ -272,13 +277,15 @@ def main(argv: list[str] | None = None) -> None:
     base = common(args, tokenizer, corpus)
     steps = probe_steps(args, base)
     if corpus:
-        count_epochs(corpus, tokenizer, args.seq, steps * args.batch, args.passkey_fraction)
+        count_epochs(corpus, tokenizer, args.seq, steps * args.batch,
+                     args.passkey_fraction + args.multikey_fraction)
     methods = evaluations(args)
     # The first model, unless the run only asks for the iRoPE one (its own session's worth)
     ckpt = train(base + train_overrides(args, steps), args.work / "train") \
         if methods or args.dca_finetune_steps else None
     meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,
             "lr": args.lr, "vocab": args.vocab, "passkey_fraction": args.passkey_fraction,
+            "multikey_fraction": args.multikey_fraction,
             "lengths": lengths, "trials": args.trials,
             "wandb_group": None if args.no_wandb else args.group, "smoke": args.smoke,
             "command": " ".join(sys.argv),

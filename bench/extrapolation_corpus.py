@@ -150,7 +150,7 @@ def build_corpus(directories: list[Path], globs: str, work: Path, vocab: int, sa
 
 
 def count_epochs(corpus: Corpus, tokenizer: Path, seq: int, samples: int,
-                 passkey_fraction: float) -> None:
+                 retrieval_fraction: float) -> None:
     """Fill in the split's sizes and the epochs `samples` training samples make; log them."""
     from trainer.data import build_datasets
 
@@ -166,8 +166,8 @@ def count_epochs(corpus: Corpus, tokenizer: Path, seq: int, samples: int,
           f"length and the multi-key filler); {len(train)} training samples of {seq} tokens",
           flush=True)
     print(f"training: {samples} samples = {corpus.epochs:.2f} epochs of the training split "
-          f"(passkey examples replace {passkey_fraction:.0%} of the samples)", flush=True)
-    passes = corpus.epochs * (1 - passkey_fraction)
+          f"(retrieval examples replace {retrieval_fraction:.0%} of the samples)", flush=True)
+    passes = corpus.epochs * (1 - retrieval_fraction)
     if passes > MANY_EPOCHS:
         print(f"WARNING: the model will see each corpus token ~{passes:.1f} times; add --corpus "
               "directories for a larger corpus", flush=True)

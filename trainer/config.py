@@ -35,6 +35,10 @@ class DataConfig:
     valid_fraction: float = 0.05
     max_documents: int | None = None
     passkey_fraction: float = 0.0  # share of training samples replaced by passkey examples
+    # share replaced by multi-key examples (named needles in the sample's own text), and their
+    # needle count (trainer/passkey.py)
+    multikey_fraction: float = 0.0
+    multikey_keys: int = 4
 
 
 @dataclass

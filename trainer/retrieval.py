@@ -16,6 +16,7 @@ index, trial), so cells do not depend on the grid or the batch size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,11 +81,20 @@ def corpus_filler(stream, n_tokens: int, eod: int, rng: np.random.Generator) -> 
 
 def multikey_prompt(tokenizer, stream, length: int, depth: float, keys: int, digits: int,
                     rng: np.random.Generator) -> MultiKeyTrial:
-    """A trial of `keys` needles (distinct names and values) in corpus filler; see module doc."""
+    """A trial of `keys` needles (distinct names and values) in held-out corpus filler drawn
+    from `stream`; see module doc."""
+    return place_needles(tokenizer, length, depth, keys, digits, rng,
+                         lambda n: corpus_filler(stream, n, tokenizer.eod, rng))
+
+
+def place_needles(tokenizer, length: int, depth: float, keys: int, digits: int,
+                  rng: np.random.Generator, filler: Callable[[int], list[int]]) -> MultiKeyTrial:
+    """`keys` needles and the question about the first, in `filler(n)`'s n tokens: the asked
+    needle at `depth` of the filler, the others at random depths; exactly `length` tokens."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     if not 1 <= keys <= len(NAMES):
-        raise UserError(f"eval.multikey_keys must be in [1, {len(NAMES)}], got {keys}")
+        raise UserError(f"multikey_keys must be in [1, {len(NAMES)}], got {keys}")
     names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
     values: list[str] = []
     while len(values) < keys:
@@ -95,19 +105,20 @@ def multikey_prompt(tokenizer, stream, length: int, depth: float, keys: int, dig
     question = tokenizer.encode(question_text(names[0]))
     budget = length - sum(map(len, needles)) - len(question)
     if budget < 0:
-        raise UserError(f"eval.lengths: {length} tokens are too short for {keys} needles and the "
-                        "question; raise the length or lower eval.multikey_keys")
-    filler = corpus_filler(stream, budget, tokenizer.eod, rng)
+        raise UserError(f"{length} tokens are too short for {keys} needles and the question; "
+                        "raise the length (eval.lengths, trainer.seq_length) or lower "
+                        "multikey_keys")
+    tokens = filler(budget)
     cuts = [int(round(depth * budget))] + [int(c) for c in rng.integers(0, budget + 1, keys - 1)]
     prompt: list[int] = []
     starts = [0] * keys
     done = 0
     for i in sorted(range(keys), key=lambda i: (cuts[i], i)):  # the asked needle first on ties
-        prompt += filler[done:cuts[i]]
+        prompt += tokens[done:cuts[i]]
         done = cuts[i]
         starts[i] = len(prompt)
         prompt += needles[i]
-    prompt += filler[done:] + question
+    prompt += tokens[done:] + question
     return MultiKeyTrial(prompt, names, values, starts)
 
 

@@ -120,13 +120,15 @@ class Trainer:
         self.micro_batches = _num_microbatches(self.cfg, self.topo.dp)
 
     def _setup_data(self):
-        """Training and validation datasets (with passkey samples mixed in when asked)."""
+        """Training and validation datasets (with retrieval examples mixed in when asked)."""
         d, t = self.cfg.data, self.cfg.trainer
         self.train_ds, self.valid_ds, tokenizer = build_datasets(
             d.name, d.path, d.tokenizer, t.seq_length, d.valid_fraction, t.seed, d.max_documents)
         check_datasets(len(self.train_ds), len(self.valid_ds), self.cfg)
-        self.passkey_mix = (PasskeyMix(tokenizer, d.passkey_fraction, t.seq_length, t.seed)
-                            if d.passkey_fraction > 0 else None)
+        self.passkey_mix = (PasskeyMix(tokenizer, d.passkey_fraction, t.seq_length, t.seed,
+                                       multikey_fraction=d.multikey_fraction,
+                                       keys=d.multikey_keys)
+                            if d.passkey_fraction > 0 or d.multikey_fraction > 0 else None)
         return tokenizer
 
     def _setup_model(self, vocab_size: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,37 @@ def test_passkey_keys_change_every_epoch_and_resume_exactly() -> None:
     assert len(keys) > 12 and len(set(keys)) == len(keys)
     resumed = DataIterator(_Stream(10), micro_batch_size=5, seed=1, mix=mix, consumed_samples=15)
     assert [_keys(next(resumed)) for _ in range(5)] == stream[3:]
+
+
+def test_multikey_examples_hide_named_needles_in_the_samples_own_text() -> None:
+    """The mix's multi-key examples: the replaced sample's text as filler, `keys` needles, the
+    question about one of them and its answer last; seq + 1 tokens; passkey examples unchanged
+    when multi-key ones are added (the same draws)."""
+    text = TOK.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 30)
+    sample = torch.tensor(text[:513], dtype=torch.int64)
+    mix = PasskeyMix(TOK, 0.2, 512, seed=3, multikey_fraction=0.5, keys=3)
+    only_passkey = PasskeyMix(TOK, 0.2, 512, seed=3)
+    kinds = {"passkey": 0, "multikey": 0, "corpus": 0}
+    for g in range(60):
+        out = mix(g, sample)
+        decoded = TOK.decode(out.tolist())
+        assert out.shape == (513,)
+        if torch.equal(out, sample):
+            kinds["corpus"] += 1
+            continue
+        asked, others = asked_and_others(decoded)
+        assert decoded.endswith(asked)  # the answer ends the sample
+        if not others:
+            kinds["passkey"] += 1
+            assert torch.equal(out, only_passkey(g, sample))
+            continue
+        kinds["multikey"] += 1
+        assert len(others) == 2 and "Lorem ipsum" in decoded and "The grass is green" not in decoded
+        name = re.findall(r"What is the pass key for (\w+)\?", decoded)[-1]
+        assert f"The pass key for {name} is{asked}. Remember it." in decoded
+    assert all(n > 5 for n in kinds.values()), kinds
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        PasskeyMix(TOK, 0.6, 256, seed=3, multikey_fraction=0.5)
 
 
 def _oracle() -> ScriptedModel:

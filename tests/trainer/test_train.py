@@ -135,3 +135,25 @@ def test_a_resume_into_the_same_directory_logs_each_step_once(run_training,
     aside = list((tmp_path / "run").glob("metrics.*.jsonl"))
     assert len(aside) == 1
     assert [json.loads(line)["step"] for line in aside[0].read_text().splitlines()] == [3, 4]
+
+
+def test_retrieval_examples_reach_the_training_batches(run_training,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.passkey_fraction / multikey_fraction / multikey_keys build the mix the data
+    iterator applies: both kinds of example are drawn during a short run."""
+    from trainer import passkey, train
+
+    drawn: list[str] = []
+
+    class Recording(passkey.PasskeyMix):
+        def __call__(self, g, sample):
+            out = super().__call__(g, sample)
+            text = self.tokenizer.decode(out.tolist())
+            drawn.append("corpus" if torch.equal(out, sample) else
+                         "multikey" if "What is the pass key for" in text else "passkey")
+            return out
+
+    monkeypatch.setattr(train, "PasskeyMix", Recording)
+    run_training(["trainer.max_steps=4", "trainer.seq_length=384", "data.passkey_fraction=0.3",
+                  "data.multikey_fraction=0.3", "data.multikey_keys=2", "checkpoint.save=false"])
+    assert len(drawn) >= 16 and {"corpus", "passkey", "multikey"} <= set(drawn)
