@@ -175,6 +175,7 @@ def train_overrides(args: argparse.Namespace, steps: int) -> list[str]:
             f"trainer.warmup_steps={max(1, steps // 20)}", "trainer.eval_interval=0",
             f"data.passkey_fraction={args.passkey_fraction:g}",
             f"data.multikey_fraction={args.multikey_fraction:g}",
+            f"data.multikey_keys={1 if args.smoke else 4}",
             f"trainer.log_interval={max(1, steps // 50)}"]
 
 
@@ -197,7 +198,7 @@ def probe_steps(args: argparse.Namespace, base: list[str]) -> int:
 def _run_probe(args: argparse.Namespace, base: list[str], d: Path) -> None:
     timing = [o for o in train_overrides(args, args.probe_steps)
               if not o.startswith(("data.passkey_fraction=", "data.multikey_fraction=",
-                                   "trainer.log_interval="))]
+                                   "data.multikey_keys=", "trainer.log_interval="))]
     run("trainer", base + timing + [
         "checkpoint.save=false", "trainer.log_interval=1",
         "logger=none", f"hydra.run.dir={d}"], args.work / "probe.log")

@@ -82,6 +82,8 @@ class PasskeyMix:
         self.tokenizer, self.fraction, self.multikey_fraction = tokenizer, fraction, \
             multikey_fraction
         self.seq_length, self.seed, self.digits, self.keys = seq_length, seed, digits, keys
+        if multikey_fraction > 0:  # refuse a length too short for the needles now, not mid-run
+            self._multikey(np.random.default_rng(0), torch.zeros(seq_length + 1, dtype=torch.int64))
 
     def __call__(self, g: int, sample: torch.Tensor) -> torch.Tensor:
         rng = np.random.default_rng((self.seed, 0x9A55, g))

@@ -94,7 +94,7 @@ def place_needles(tokenizer, length: int, depth: float, keys: int, digits: int,
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     if not 1 <= keys <= len(NAMES):
-        raise UserError(f"multikey_keys must be in [1, {len(NAMES)}], got {keys}")
+        raise UserError(f"multikey_keys (eval., data.) must be in [1, {len(NAMES)}], got {keys}")
     names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
     values: list[str] = []
     while len(values) < keys:
@@ -106,8 +106,8 @@ def place_needles(tokenizer, length: int, depth: float, keys: int, digits: int,
     budget = length - sum(map(len, needles)) - len(question)
     if budget < 0:
         raise UserError(f"{length} tokens are too short for {keys} needles and the question; "
-                        "raise the length (eval.lengths, trainer.seq_length) or lower "
-                        "multikey_keys")
+                        "raise the length (eval.lengths, trainer.seq_length) or lower the keys "
+                        "(eval.multikey_keys, data.multikey_keys)")
     tokens = filler(budget)
     cuts = [int(round(depth * budget))] + [int(c) for c in rng.integers(0, budget + 1, keys - 1)]
     prompt: list[int] = []

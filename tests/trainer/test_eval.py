@@ -104,6 +104,8 @@ def test_multikey_examples_hide_named_needles_in_the_samples_own_text() -> None:
     assert all(n > 5 for n in kinds.values()), kinds
     with pytest.raises(ValueError, match="sum to at most 1"):
         PasskeyMix(TOK, 0.6, 256, seed=3, multikey_fraction=0.5)
+    with pytest.raises(ValueError, match="too short for 3 needles"):  # at setup, not mid-run
+        PasskeyMix(TOK, 0.2, 256, seed=3, multikey_fraction=0.5, keys=3)
 
 
 def _oracle() -> ScriptedModel:
