@@ -101,7 +101,7 @@ def _plots(run_dir: Path, label: str, cells: list, points: list) -> dict[str, Pa
 
 
 def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: list,
-               plots: dict[str, Path], multikey: list) -> None:
+               plots: dict[str, Path], multikey: list, attention: list) -> None:
     import wandb
 
     from trainer.metrics import start_wandb
@@ -125,12 +125,17 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
         columns=["attention", "length", "start", "end", "tokens", "nll", "perplexity"],
         data=[[label, p.length, b.start, b.end, b.tokens, b.nll, b.perplexity]
               for p in points for b in p.buckets])
+    by_distance = wandb.Table(
+        columns=["attention", "length", "layer", "entropy", "distance_from", "mass"],
+        data=[[label, a.length, layer + 1, a.entropy[layer], edge, a.mass[layer][i]]
+              for a in attention for layer in range(len(a.entropy))
+              for i, edge in enumerate(a.edges)])
     mean = wandb.Table(columns=["length", "accuracy"], data=[
         [n, sum(c.accuracy for c in cells if c.length == n) / sum(c.length == n for c in cells)]
         for n in sorted({c.length for c in cells})])
     run.log({
         "passkey/table": passkey, "perplexity/table": ppl, "multikey/table": multi,
-        "perplexity/by_position": buckets,
+        "perplexity/by_position": buckets, "attention/by_distance": by_distance,
         "passkey/accuracy_by_length": wandb.plot.line(mean, "length", "accuracy",
                                                       title=f"passkey: {label}"),
         "perplexity/by_length": wandb.plot.line(ppl, "length", "perplexity",
@@ -228,7 +233,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                          " ".join(f"{h:.2f}" for h in a.entropy),
                          ", ".join(f">={e} {m:.3f}" for e, m in zip(a.edges, mean)))
         if cfg.logger.wandb:
-            _log_wandb(cfg, run_dir, label, cells, points, plots, multikey)
+            _log_wandb(cfg, run_dir, label, cells, points, plots, multikey, attention)
         log.info("results in %s", run_dir)
     return results
 

@@ -182,6 +182,9 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
     assert json.loads((out / "eval.json").read_text()) == results
     assert (out / "passkey.png").stat().st_size > 0 and (out / "perplexity.png").is_file()
     assert list((out / "wandb").glob("offline-run-*"))
+    tables = list((out / "wandb").glob("offline-run-*/files/media/table/attention/by_distance_*"))
+    rows = json.loads(tables[0].read_text())["data"]  # [label, length, layer, entropy, from, mass]
+    assert len(rows) == 2 * (3 + 4) and {r[1] for r in rows} == {256, 384}
 
 
 def test_eval_refuses_a_checkpoint_that_does_not_fit_the_model(run_training,
