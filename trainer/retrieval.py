@@ -94,7 +94,8 @@ def place_needles(tokenizer, length: int, depth: float, keys: int, digits: int,
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     if not 1 <= keys <= len(NAMES):
-        raise UserError(f"multikey_keys (eval., data.) must be in [1, {len(NAMES)}], got {keys}")
+        raise UserError(f"eval.multikey_keys / data.multikey_keys must be in [1, {len(NAMES)}], "
+                        f"got {keys}")
     names = [NAMES[i] for i in rng.choice(len(NAMES), size=keys, replace=False)]
     values: list[str] = []
     while len(values) < keys:

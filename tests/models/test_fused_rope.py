@@ -35,7 +35,7 @@ def _freqs(seq: int, dim: int) -> torch.Tensor:
 def _qkv_slice(s: int, b: int, h: int, d: int, dtype: torch.dtype) -> torch.Tensor:
     """q as megatron holds it: a strided view into a fused QKV projection."""
     qkv = torch.randn(s, b, h, 3 * d, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    return qkv[..., :d].requires_grad_(False)
+    return qkv[..., :d]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -14,6 +14,7 @@ from models.attention.chunked import chunked_attention
 from models.attention.dca import dual_chunk_attention
 from models.attention.dca_scaling import DCAScaling
 from models.attention.probe import (
+    active_probe,
     causal_probabilities,
     chunked_probabilities,
     dca_probabilities,
@@ -94,5 +95,6 @@ def test_a_model_records_every_layer_while_probing(single_process,
     for summary in probe.layers.values():
         assert 0 < summary.entropy <= math.log(96)
         assert sum(summary.mass) == pytest.approx(1.0)
+    assert active_probe() is None  # the probe ends with its block
     with torch.no_grad():
-        model(tokens, positions, None)  # no probe: nothing recorded, nothing fails
+        model(tokens, positions, None)  # no probe: the layers compute as before
