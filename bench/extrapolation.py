@@ -26,11 +26,12 @@ each; 4 needles in the sample's own text), so that the model can retrieve at T a
 retrieval columns measure extrapolation, not the task.
 
 Re-running with the same --work reuses finished trainings and evaluations and resumes a
-training cut short (checkpoints every fifth of the run); results are rewritten after every
-method, so a run stopped by a time limit keeps what it measured. Every run logs to wandb in the
-group --group (offline unless WANDB_MODE says otherwise); their run directories are copied to
-OUT/wandb with the results, so a machine without network brings them back for
-`wandb sync OUT/wandb/offline-run-*`.
+training cut short (a signal, e.g. `timeout`'s SIGTERM: the training saves its step and the
+driver exits 128 + signal; a kill: from the last of its checkpoints every fifth of the run);
+results are rewritten after every method, so a run stopped by a time limit keeps what it
+measured. Every run logs to wandb in the group --group (offline unless WANDB_MODE says
+otherwise); their run directories are copied to OUT/wandb with the results, so a machine
+without network brings them back for `wandb sync OUT/wandb/offline-run-*`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,16 +114,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class _Signals:
+    """SIGTERM / SIGUSR1 (`timeout`, a scheduler) recorded, not fatal: they reach the running
+    child too (one process group), and a training saves its step before it exits; the driver
+    waits for it, then stops with 128 + signal. The same command continues from there."""
+
+    received = 0
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, cls._record)
+
+    @classmethod
+    def _record(cls, signum: int, frame: object) -> None:
+        cls.received = cls.received or signum
+
+    @classmethod
+    def stop_if_received(cls) -> None:
+        if cls.received:
+            print(f"stopped by {signal.Signals(cls.received).name}: rerun the same command to "
+                  "continue (finished trainings and evaluations are reused, a stopped training "
+                  "resumes from its last checkpoint)", file=sys.stderr, flush=True)
+            sys.exit(128 + cls.received)
+
+
 def run(module: str, overrides: list[str], log: Path) -> None:
-    """`python -m module overrides`, output to `log`; a failure prints the log's tail."""
+    """`python -m module overrides`, output appended to `log`; a failure prints the log's
+    tail."""
+    _Signals.stop_if_received()
     cmd = [sys.executable, "-m", module, *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     print("+", " ".join(cmd[1:]), flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(log, "w") as f:
+    with open(log, "a") as f:  # a resumed training keeps its first part's log
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    _Signals.stop_if_received()
     if proc.returncode:
         tail = log.read_text().splitlines()[-30:]
         sys.exit(f"{module} failed (exit {proc.returncode}); log {log}:\n" + "\n".join(tail))
@@ -131,7 +161,8 @@ def run(module: str, overrides: list[str], log: Path) -> None:
 def train(overrides: list[str], run_dir: Path) -> Path:
     """`python -m trainer` into `run_dir`. A finished run there is reused (rerunning the bench
     with the same --work; delete --work to start over); a run cut short (a time limit) resumes
-    from its last checkpoint, saved every fifth of the run."""
+    from its last checkpoint: the step it was stopped at (a signal), else the last of those saved
+    every fifth of the run (a kill)."""
     ckpt = run_dir / "checkpoints"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     steps = int(next(o for o in overrides if o.startswith("trainer.max_steps=")).split("=")[1])
@@ -259,6 +290,7 @@ def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    _Signals.install()
     t_start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     lengths = [int(float(m) * args.seq) for m in args.lengths.split(",")]

@@ -57,9 +57,13 @@ def run(cfg: DictConfig) -> None:
     from trainer.run_dir import raise_refusal
 
     raise_refusal()  # the run directory is held by another run or holds checkpoints
+    from trainer.stop import Stopped
     from trainer.train import train  # heavy imports once the config and directory are fine
 
-    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except Stopped as stopped:  # saved; 128 + signal, as if the signal had ended the process
+        sys.exit(stopped.exit_status)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from trainer.passkey import PasskeyMix
 from trainer.resume import apply_optimizer_settings, resume_point
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
 from trainer.step import evaluate, train_step
+from trainer.stop import StopOnSignal, Stopped
 from trainer.validate import check_datasets, validate_train
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
+        self.stop = StopOnSignal()  # a signal from here on ends the run with a checkpoint
         validate_train(cfg)  # every setting checkable without data or model, first
         # A checkpoint brings its model config; a model-only one is a fine-tune start, any
         # other a resume whose settings are checked against the saved ones, up front.
@@ -95,6 +97,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.consumed_samples = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run has
         wandb_id = None
         if start:
             log.info("fine-tuning from the model-only checkpoint %s (step 0)", start.path)
@@ -168,6 +171,8 @@ class Trainer:
         self.step = extra["step"]
         self.consumed_samples = extra["consumed_samples"]
         self.real_vocab = extra.get("vocab_size", self.real_vocab)
+        if ckpt.resolve().parent == checkpoints_root(self.cfg, self.run_dir).resolve():
+            self.saved_step = self.step  # a stop before the first step need not save again
         return extra.get("wandb_id")
 
     def train_step(self) -> tuple[float, float]:
@@ -201,6 +206,7 @@ class Trainer:
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, extra,
                                self.cfg.checkpoint.thread_count)
         log.info("saved checkpoint %s (%.1fs)", path, time.perf_counter() - t0)
+        self.saved_step = self.step
         return path
 
     def _row(self, loss: float, grad_norm: float, seconds: float) -> dict[str, Any]:
@@ -222,6 +228,8 @@ class Trainer:
         log.info("training steps %d..%d, outputs in %s", self.step + 1, t.max_steps, self.run_dir)
         row: dict[str, Any] = {}
         while self.step < t.max_steps:
+            if signum := self.stop.requested(self.device):
+                self._stop(signum)
             start = time.perf_counter()
             loss, grad_norm = self.train_step()
             if self.device.type == "cuda":
@@ -241,7 +249,20 @@ class Trainer:
                 self.save()  # the last step always: a run's end is never lost
         return row
 
+    def _stop(self, signum: int) -> None:
+        """Save the current step (unless it is saved already) and raise `Stopped`."""
+        stopped = Stopped(signum, self.step)
+        log.warning("%s: saving before exit", stopped)
+        if not self.cfg.checkpoint.save:
+            log.warning("checkpoint.save=false: nothing saved; the run's steps are lost")
+        elif self.saved_step != self.step:
+            self.save()
+        if self.saved_step is not None:
+            log.warning("resume with checkpoint.load=%s", checkpoints_root(self.cfg, self.run_dir))
+        raise stopped
+
     def close(self) -> None:
+        self.stop.uninstall()
         self.metrics.finish()
         shutdown()
 

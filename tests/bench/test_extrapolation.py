@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -81,6 +85,52 @@ def test_smoke_arguments_stay_small() -> None:
     assert list(extrapolation.evaluations(args)) == list(extrapolation.METHODS)
     none = extrapolation.parse_args(["--out", "/tmp/x/out", "--methods", "none"])
     assert extrapolation.evaluations(none) == {}
+
+
+def test_a_training_cut_short_resumes_from_its_tracker(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(extrapolation, "run",
+                        lambda module, overrides, log: calls.append(overrides))
+    ckpt = tmp_path / "train" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    base = ["model=tiny", "trainer.max_steps=10", "checkpoint.dir=elsewhere"]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    extrapolation.train(base, tmp_path / "train")
+    assert f"checkpoint.load={ckpt}" in calls[-1] and "checkpoint.dir=elsewhere" not in calls[-1]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+    extrapolation.train(base, tmp_path / "train")
+    assert len(calls) == 1  # finished: reused, not run
+
+
+def test_a_signal_stops_the_driver_after_its_training_saved(tmp_path: Path) -> None:
+    """`timeout`'s SIGTERM reaches the driver and its training (one process group): the training
+    saves the step it reached, the driver waits for it, starts nothing more and exits 143."""
+    cmd = [sys.executable, str(extrapolation.ROOT / "bench" / "extrapolation.py"), "--smoke",
+           "--steps", "1000", "--out", str(tmp_path / "out")]
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
+    metrics = tmp_path / "out-work" / "train" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 143, output[-3000:]
+    assert "stopped by SIGTERM: rerun the same command to continue" in output
+    tracker = tmp_path / "out-work" / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert int(tracker.read_text()) >= logged  # the step it reached, saved
+    assert not (tmp_path / "out-work" / "eval").exists()  # nothing started after the stop
 
 
 def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:

@@ -1,0 +1,114 @@
+"""A signal mid-training (preemption, `timeout`, torchrun's shutdown) saves the current step and
+exits 128 + signal; resuming from that checkpoint continues the run exactly. Real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ckpt.__main__ import main as ckpt_main
+from ckpt.paths import TRACKER, checkpoint_name
+from tests.conftest import FAST, read_metrics
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _training(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 180) -> None:
+    """Wait until `proc` has logged `steps` training steps into `run_dir`."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the signal"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir} did not log {steps} steps")
+
+
+def _stopped_at(run_dir: Path) -> int:
+    """The step the stopped run saved: its tracker, its last logged step and its checkpoint."""
+    root = run_dir / "checkpoints"
+    step = int((root / TRACKER).read_text())
+    assert read_metrics(run_dir)[-1]["step"] == step
+    assert ckpt_main(["verify", str(root / checkpoint_name(step))]) == 0
+    return step
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_saves_the_step_and_the_resume_continues_exactly(
+        run_training, tmp_path: Path, sig: signal.Signals) -> None:
+    # A constant lr: the stopped run's schedule (100,000 steps) and the short runs' agree.
+    constant = ["trainer.lr_decay_style=constant"]
+    args = FAST + constant + ["trainer.max_steps=100000", "trainer.save_interval=0",
+                              "hydra.run.dir=run"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=ENV,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _training(proc, tmp_path / "run", 3)
+        proc.send_signal(sig)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, output[-3000:]
+    step = _stopped_at(tmp_path / "run")
+    assert f"stopped by {sig.name} after step {step}: saving before exit" in output
+    assert "resume with checkpoint.load=" in output
+
+    root = tmp_path / "run" / "checkpoints"
+    resumed = run_training(constant + [f"trainer.max_steps={step + 2}", f"checkpoint.load={root}",
+                                       "checkpoint.save=false"], name="resumed")
+    straight = run_training(constant + [f"trainer.max_steps={step + 2}", "checkpoint.save=false"],
+                            name="straight")
+    assert [r["step"] for r in resumed] == [step + 1, step + 2]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[step:]]
+
+
+def test_under_torchrun_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
+    args = FAST + ["parallel.tp=2", "trainer.max_steps=100000",
+                   "trainer.save_interval=0", "hydra.run.dir=run"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", "-m", "trainer", *args]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:  # a file, not a pipe: nobody reads while the job runs
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        _training(proc, tmp_path / "run", 2)
+        rank1 = next(p for p in psutil.Process(proc.pid).children()
+                     if p.environ().get("RANK") == "1")
+        rank1.send_signal(signal.SIGTERM)  # rank 0 gets no signal: it learns it from rank 1
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode != 0, output[-3000:]
+    assert "exitcode  : 143" in output, output[-3000:]
+    step = _stopped_at(tmp_path / "run")
+    assert f"stopped by SIGTERM after step {step}" in output
+
+
+def test_a_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
+    script = ("import os, signal, time\n"
+              "from trainer.stop import StopOnSignal\n"
+              "stop = StopOnSignal()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "print('recorded', stop.signum, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(5)\n"
+              "print('survived', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout == f"recorded {int(signal.SIGTERM)}\n"
+    assert proc.returncode == -signal.SIGTERM
