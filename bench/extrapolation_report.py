@@ -1,10 +1,19 @@
 """Results of `bench/extrapolation.py`: read every run's eval.json, write one JSON, a markdown
-table and one PNG (passkey, multi-key accuracy and perplexity per method and length)."""
+table and one PNG (passkey, multi-key accuracy and perplexity per method and length).
+
+Run alone, it rebuilds the report from eval.json files, e.g. of one experiment evaluated by
+several driver calls side by side:
+
+    python bench/extrapolation_report.py --out DIR --meta RUN/results.json \
+        dca=WORK/eval/dca/eval.json yarn=WORK/eval/yarn/0/eval.json,WORK/eval/yarn/1/eval.json
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +152,30 @@ def write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[P
     paths[1].write_text(f"# Extrapolation: {title}\n\n" + markdown(rows))
     plot(rows, paths[2], title)
     return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="rebuild results.json/.md and the plot from eval.json "
+                                "files (method order as given)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--meta", type=Path, help="a results.json whose meta to keep (the training)")
+    p.add_argument("runs", nargs="+", metavar="METHOD=EVAL_JSON[,EVAL_JSON...]")
+    args = p.parse_args(argv)
+    runs: dict[str, list[Path]] = {}
+    for spec in args.runs:
+        method, sep, paths = spec.partition("=")
+        if not (sep and method and paths):
+            p.error(f"{spec!r}: expected METHOD=EVAL_JSON[,EVAL_JSON...]")
+        runs[method] = [Path(x) for x in paths.split(",")]
+        for path in runs[method]:
+            if not path.is_file():
+                p.error(f"{path}: no such eval.json")
+    meta = json.loads(args.meta.read_text())["meta"] if args.meta else {}
+    meta["report_command"] = " ".join(["bench/extrapolation_report.py",
+                                       *(sys.argv[1:] if argv is None else argv)])
+    for path in write(collect(runs), args.out, meta):
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -110,7 +110,8 @@ def record(layer: int, probs: torch.Tensor) -> None:
     probe = _probe
     plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-300).log(), 0.0)
     entropy = float(-plogp.sum(-1).mean())
-    distance = probe.rows[:, None] - torch.arange(probs.shape[-1], device=probs.device)[None]
+    rows = probe.rows.to(probs.device)  # the probe's rows are CPU tensors, a CUDA model's not
+    distance = rows[:, None] - torch.arange(probs.shape[-1], device=probs.device)[None]
     bucket = torch.bucketize(distance.clamp_min(0), torch.tensor(probe.edges[1:],
                                                                  device=probs.device),
                              right=True)  # [n, s]

@@ -78,6 +78,24 @@ def test_table_reads_eval_json(tmp_path: Path) -> None:
     assert files[2].stat().st_size > 0
 
 
+def test_the_report_rebuilds_from_eval_files(tmp_path: Path) -> None:
+    """The CLI's report equals the driver's for the same eval.json files, keeps the meta it is
+    given and says how it was made; a missing file is refused."""
+    source = tmp_path / "eval.json"
+    source.write_text(json.dumps(_eval_json(128)))
+    expected = extrapolation_report.collect({"dca": [source], "yarn": [source]})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps({"meta": {"model": "m"}}))
+    argv = ["--out", str(tmp_path / "out"), "--meta", str(tmp_path / "run" / "results.json"),
+            f"dca={source}", f"yarn={source}"]
+    extrapolation_report.main(argv)
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written["rows"] == expected and [r["method"] for r in expected[:1]] == ["dca"]
+    assert written["meta"]["model"] == "m" and "dca=" in written["meta"]["report_command"]
+    with pytest.raises(SystemExit):
+        extrapolation_report.main(["--out", str(tmp_path / "x"), f"dca={tmp_path / 'none'}"])
+
+
 def test_smoke_arguments_stay_small() -> None:
     args = extrapolation.parse_args(["--smoke", "--out", "/tmp/x/out"])
     assert (args.model, args.seq, args.lengths) == ("tiny", 128, "1,2")
