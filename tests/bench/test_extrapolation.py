@@ -151,6 +151,30 @@ def test_a_signal_stops_the_driver_after_its_training_saved(tmp_path: Path) -> N
     assert not (tmp_path / "out-work" / "eval").exists()  # nothing started after the stop
 
 
+def test_side_by_side_yields_as_tasks_finish_and_a_failure_starts_nothing_more() -> None:
+    started: list[str] = []
+
+    def task(name: str, seconds: float, fail: bool = False):
+        def run() -> str:
+            started.append(name)
+            time.sleep(seconds)
+            if fail:
+                sys.exit(f"{name} failed")
+            return name
+        return run
+
+    slow_first = [task("slow", 0.3), task("fast", 0.0)]
+    assert list(extrapolation.side_by_side(slow_first, 2)) == ["fast", "slow"]
+    assert list(extrapolation.side_by_side(slow_first, 1)) == ["slow", "fast"]
+    started.clear()
+    finished: list[str] = []
+    tasks = [task("bad", 0.0, fail=True), task("running", 0.3), task("next", 0.0)]
+    with pytest.raises(SystemExit, match="bad failed"):
+        finished += extrapolation.side_by_side(tasks, 2)
+    assert sorted(started) == ["bad", "running"]  # "next" never started
+    assert finished == ["running"]  # the running task's result still came
+
+
 def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
     """--corpus: the dataset holds the directory's files, the validation split holds what the
     evaluation needs (more than the default 5% would), and a rerun with other files is refused."""
