@@ -1,10 +1,11 @@
 """Save and stop on SIGTERM or SIGUSR1: what a scheduler's preemption, `timeout`, torchrun's
 shutdown or SLURM's `--signal=USR1@60` send before they kill a job.
 
-The handler only records the signal; the training loop asks after each step, every rank agreeing
+The handler only records the signal; the training loop asks before each step, every rank agreeing
 on the step (a rank that got the signal late must not skip the collective save), saves a checkpoint
 and ends with status 128 + signal, so that rerunning with `checkpoint.load=` loses nothing. A
-second signal while stopping ends the process at once, as the first would have without us.
+second signal while stopping ends the process at once, as the first would have without us. The
+handler is installed when training starts: a signal during setup ends the process as before.
 """
 
 from __future__ import annotations

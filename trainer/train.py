@@ -78,7 +78,6 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
-        self.stop = StopOnSignal()  # a signal from here on ends the run with a checkpoint
         validate_train(cfg)  # every setting checkable without data or model, first
         # A checkpoint brings its model config; a model-only one is a fine-tune start, any
         # other a resume whose settings are checked against the saved ones, up front.
@@ -97,7 +96,8 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
         self.consumed_samples = 0
-        self.saved_step: int | None = None  # the step of the newest checkpoint this run has
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
+        self.stop: StopOnSignal | None = None
         wandb_id = None
         if start:
             log.info("fine-tuning from the model-only checkpoint %s (step 0)", start.path)
@@ -171,8 +171,6 @@ class Trainer:
         self.step = extra["step"]
         self.consumed_samples = extra["consumed_samples"]
         self.real_vocab = extra.get("vocab_size", self.real_vocab)
-        if ckpt.resolve().parent == checkpoints_root(self.cfg, self.run_dir).resolve():
-            self.saved_step = self.step  # a stop before the first step need not save again
         return extra.get("wandb_id")
 
     def train_step(self) -> tuple[float, float]:
@@ -226,6 +224,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         t = self.cfg.trainer
         log.info("training steps %d..%d, outputs in %s", self.step + 1, t.max_steps, self.run_dir)
+        self.stop = StopOnSignal()  # from here on a signal ends the run with a checkpoint
         row: dict[str, Any] = {}
         while self.step < t.max_steps:
             if signum := self.stop.requested(self.device):
@@ -262,7 +261,8 @@ class Trainer:
         raise stopped
 
     def close(self) -> None:
-        self.stop.uninstall()
+        if self.stop:
+            self.stop.uninstall()
         self.metrics.finish()
         shutdown()
 
