@@ -163,12 +163,12 @@ def test_side_by_side_yields_as_tasks_finish_and_a_failure_starts_nothing_more()
             return name
         return run
 
-    slow_first = [task("slow", 0.3), task("fast", 0.0)]
+    slow_first = [task("slow", 1.0), task("fast", 0.0)]
     assert list(extrapolation.side_by_side(slow_first, 2)) == ["fast", "slow"]
     assert list(extrapolation.side_by_side(slow_first, 1)) == ["slow", "fast"]
     started.clear()
     finished: list[str] = []
-    tasks = [task("bad", 0.0, fail=True), task("running", 0.3), task("next", 0.0)]
+    tasks = [task("bad", 0.0, fail=True), task("running", 1.0), task("next", 0.0)]
     with pytest.raises(SystemExit, match="bad failed"):
         finished += extrapolation.side_by_side(tasks, 2)
     assert sorted(started) == ["bad", "running"]  # "next" never started
