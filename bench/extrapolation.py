@@ -107,8 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dca-finetune-steps", type=int, default=0)
     p.add_argument("--parallel-evals", type=int, default=1,
                    help="evaluations (and the DCA fine-tune) run side by side on the one GPU: "
-                   "their start-up and decoding overlap (2: about 1.4x the throughput on an H100, "
-                   "docs/experiments.md)")
+                   "their start-up and decoding overlap (docs/experiments.md, fourth H100 run)")
     p.add_argument("--group", default=f"extrapolation-{time.strftime('%Y%m%d-%H%M%S')}",
                    help="wandb group")
     p.add_argument("--no-wandb", action="store_true")

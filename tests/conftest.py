@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,22 @@ def single_process():
     initialize_parallel(torch.device("cpu"), tp=1, seed=0)
     yield
     shutdown()
+
+
+@contextlib.contextmanager
+def own_session(cmd: list[str], cwd: Path, log: Path,
+                env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """`cmd` in its own session, output to `log` (a file: nobody reads a pipe while it runs);
+    whatever of its process group still runs when the block ends is SIGKILLed."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:

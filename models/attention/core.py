@@ -104,7 +104,8 @@ class CoreAttention(MegatronModule):
         q, k = query.transpose(0, 1), key.transpose(0, 1)
         probe = active_probe()
         if probe is not None:
-            record(self.layer_number, self.probabilities(q, k, probe.rows.to(q.device)))
+            rows = probe.rows.to(q.device)  # made on the CPU, before the model's device is known
+            record(self.layer_number, self.probabilities(q, k, rows), rows)
         out = self.attend(q, k, value.transpose(0, 1), None)
         return out.transpose(0, 1).flatten(2)  # [s, b, h * d]
 

@@ -105,12 +105,12 @@ def dca_probabilities(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scal
     return _softmax(chosen, _causal(rows, q.shape[1]))
 
 
-def record(layer: int, probs: torch.Tensor) -> None:
-    """Summarise one layer's [b, h, n, s] probabilities into the active probe."""
+def record(layer: int, probs: torch.Tensor, rows: torch.Tensor) -> None:
+    """Summarise one layer's [b, h, n, s] probabilities of the probe's `rows` (on the model's
+    device) into the active probe."""
     probe = _probe
     plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-300).log(), 0.0)
     entropy = float(-plogp.sum(-1).mean())
-    rows = probe.rows.to(probs.device)  # the probe's rows are CPU tensors, a CUDA model's not
     distance = rows[:, None] - torch.arange(probs.shape[-1], device=probs.device)[None]
     bucket = torch.bucketize(distance.clamp_min(0), torch.tensor(probe.edges[1:],
                                                                  device=probs.device),

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -19,6 +18,8 @@ import extrapolation  # noqa: E402
 import extrapolation_corpus  # noqa: E402
 import extrapolation_report  # noqa: E402
 import pytest  # noqa: E402
+
+from tests.conftest import own_session  # noqa: E402
 
 
 def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_path: Path) -> None:
@@ -127,21 +128,14 @@ def test_a_signal_stops_the_driver_after_its_training_saved(tmp_path: Path) -> N
     cmd = [sys.executable, str(extrapolation.ROOT / "bench" / "extrapolation.py"), "--smoke",
            "--steps", "1000", "--out", str(tmp_path / "out")]
     log = tmp_path / "driver.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=out,
-                                stderr=subprocess.STDOUT)
     metrics = tmp_path / "out-work" / "train" / "metrics.jsonl"
-    try:
+    with own_session(cmd, tmp_path, log) as proc:
         deadline = time.monotonic() + 300
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does: the driver and its training
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     output = log.read_text()
     assert proc.returncode == 143, output[-3000:]
     assert "stopped by SIGTERM: rerun the same command to continue" in output

@@ -13,14 +13,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from models.fused_rope import fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
-from parallel.distributed import initialize_parallel, shutdown
-
-
-@pytest.fixture
-def single_process():
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    yield
-    shutdown()
 
 
 def _freqs(seq: int, dim: int) -> torch.Tensor:

@@ -10,15 +10,7 @@ from bench.train import matches, merge_overrides
 from models.fused import FusedRMSNorm
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
-from parallel.distributed import initialize_parallel, shutdown
 from trainer.optim import use_fused_adam
-
-
-@pytest.fixture
-def single_process():
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    yield
-    shutdown()
 
 
 def test_fused_norm_model_has_the_same_state_and_outputs(single_process) -> None:

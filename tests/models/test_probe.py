@@ -23,7 +23,6 @@ from models.attention.probe import (
 )
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
-from parallel.distributed import initialize_parallel, shutdown
 
 ROWS = torch.tensor([0, 5, 17, 30, 47])
 
@@ -66,7 +65,7 @@ def test_summary_of_uniform_attention_by_hand() -> None:
     q, k, _ = qkv(seq=10)
     probs = causal_probabilities(torch.zeros_like(q), k, rows, 1.0)
     with probing(rows, [0, 2, 8]) as probe:
-        record(1, probs)
+        record(1, probs, rows)
     summary = probe.layers[1]
     assert summary.entropy == pytest.approx((math.log(4) + math.log(10)) / 2)
     # row 3: distances 0..3 -> [2, 2, 0] of 4; row 9: 0..9 -> [2, 6, 2] of 10
@@ -74,21 +73,13 @@ def test_summary_of_uniform_attention_by_hand() -> None:
     assert summary.mass == pytest.approx(expected)
 
 
-@pytest.fixture
-def single_process():
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    yield
-    shutdown()
-
-
-@pytest.mark.parametrize("attention", [
-    AttentionConfig(), AttentionConfig(kind="dca", dca_chunk_size=32, dca_local_size=8),
-    AttentionConfig(kind="chunked", chunk_size=16, global_layer_interval=2)])
-def test_a_model_records_every_layer_while_probing(single_process,
-                                                   attention: AttentionConfig) -> None:
-    model = build_gpt(transformer_config(ModelConfig(), attention), 256, 128).eval()
+def probe_a_model(attention: AttentionConfig, device: str = "cpu") -> None:
+    """Build a two-layer model on `device`, probe two rows of a 96-token forward: every layer
+    records a summary, the probe ends with its block, and an unprobed forward still runs."""
+    config = transformer_config(ModelConfig(), attention, on_gpu=device == "cuda")
+    model = build_gpt(config, 256, 128).to(device).eval()
     tokens = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(96)[None]
+    tokens, positions = tokens.to(device), torch.arange(96, device=device)[None]
     with torch.no_grad(), probing(torch.tensor([10, 95]), [0, 32, 64]) as probe:
         model(tokens, positions, None)
     assert sorted(probe.layers) == [1, 2]
@@ -98,3 +89,11 @@ def test_a_model_records_every_layer_while_probing(single_process,
     assert active_probe() is None  # the probe ends with its block
     with torch.no_grad():
         model(tokens, positions, None)  # no probe: the layers compute as before
+
+
+@pytest.mark.parametrize("attention", [
+    AttentionConfig(), AttentionConfig(kind="dca", dca_chunk_size=32, dca_local_size=8),
+    AttentionConfig(kind="chunked", chunk_size=16, global_layer_interval=2)])
+def test_a_model_records_every_layer_while_probing(single_process,
+                                                   attention: AttentionConfig) -> None:
+    probe_a_model(attention)

@@ -10,18 +10,10 @@ import models.attention.causal as causal
 import models.attention.dca as dca
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
-from parallel.distributed import initialize_parallel, shutdown
 from tests.conftest import compose_config
 
 SEQ = 48
 DCA = AttentionConfig(kind="dca", dca_chunk_size=16, dca_local_size=4)  # 4 chunks of L = 12
-
-
-@pytest.fixture
-def single_process():
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    yield
-    shutdown()
 
 
 @pytest.fixture

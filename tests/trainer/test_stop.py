@@ -15,7 +15,7 @@ import pytest
 
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER, checkpoint_name
-from tests.conftest import FAST, read_metrics
+from tests.conftest import FAST, own_session, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -79,19 +79,12 @@ def test_under_torchrun_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", "-m", "trainer", *args]
     log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:  # a file, not a pipe: nobody reads while the job runs
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, start_new_session=True, stdout=out,
-                                stderr=subprocess.STDOUT)
-    try:
+    with own_session(cmd, tmp_path, log, ENV) as proc:
         _training(proc, tmp_path / "run", 2)
         rank1 = next(p for p in psutil.Process(proc.pid).children()
                      if p.environ().get("RANK") == "1")
         rank1.send_signal(signal.SIGTERM)  # rank 0 gets no signal: it learns it from rank 1
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     output = log.read_text()
     assert proc.returncode != 0, output[-3000:]
     assert "exitcode  : 143" in output, output[-3000:]
