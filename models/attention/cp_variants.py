@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from models.attention.chunked import chunked_attention
 from models.attention.context_parallel import Call, CPPlan, Layout, coalesce, cp_attention
-from models.attention.dca import INTER, INTRA, SUCCESSIVE, _check_qkv, _check_sizes
+from models.attention.dca import _check_qkv, _check_sizes
+from models.attention.dca_calls import INTER, INTRA, SUCCESSIVE
 from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
 from models.rope_scaling import RopeScaling

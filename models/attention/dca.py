@@ -11,19 +11,12 @@ exactly one part (SPEC.md's table; keys are always rotated to r_j):
 and one softmax spans all three. An optional length-dependent scaling (dca_scaling.py)
 multiplies the logits of the chosen parts by a per-query factor f_i, folded into that part's
 rotated query (dq then carries f_i too; dk does by itself: the kernels see the scaled query).
-Each part runs as dense attention that also returns its log-sum-exp; outputs merge by LSE;
-the backward is the global-LSE recipe (lse_attention.py): every part's kernel backward gets the
-merged out and lse, dk/dv add up over parts, and dq/dk go back through the rotations (a
-rotation's transpose is the rotation with sin negated).
-
-Kernel calls per document of N tokens (nf = N div L full chunks, then a tail):
-  intra:      one causal call over the full chunks moved into the batch dim, one for the tail;
-  successive: one full call over chunk pairs (c, c - 1) batched, one for the tail;
-  inter:      one full call per chunk c >= 2 over keys [0, (c - 1) L) (the backward may cut
-              this staircase per key chunk instead; see _backward_document).
+Each part runs as dense attention that also returns its log-sum-exp (the calls:
+dca_calls.py); outputs merge by LSE; the backward is the global-LSE recipe (dca_backward.py).
 Documents of at most C tokens are plain causal attention at their own positions (one call; see
-_Plan.causal). Nothing is S x S on the fused (CUDA fp16/bf16) path, K/V are never repeated. The
-rotated q/k are recomputed in backward (one fused pass), not kept as saved activations.
+_Plan.causal). Nothing is S x S on the fused (CUDA fp16/bf16) path, K/V are never repeated, and
+only one part's rotated q exists at a time. The rotated q/k are recomputed in backward (one
+fused pass each), not kept as saved activations.
 """
 
 from __future__ import annotations
@@ -31,63 +24,19 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from models.attention.causal import causal_attention
+from models.attention.dca_backward import dca_backward
+from models.attention.dca_calls import INTER, Call, blocks, document_calls
 from models.attention.dca_scaling import DCAScaling, query_factors
-from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
-from models.attention.rope import rope_cos_sin, rotate, rotate_multi, rotate_transpose_sum
+from models.attention.lse_attention import attention_forward, merge_partials
+from models.attention.rope import rope_cos_sin, rotate, rotate_multi
 from models.recompute import keep_attention, kept_attention
 from models.rope_scaling import RopeScaling
-
-INTRA, SUCCESSIVE, INTER = 0, 1, 2
-
-
-class _Call(NamedTuple):
-    """One dense kernel call within a document (row offsets relative to its start).
-
-    Queries are rows [q0, q0 + blocks * rows) viewed as `blocks` batch entries of `rows`; keys
-    likewise from k0 with `krows` per block.
-    """
-    part: int
-    q0: int
-    rows: int
-    blocks: int
-    k0: int
-    krows: int
-    causal: bool
-
-
-def _document_calls(n_tokens: int, length: int) -> tuple[list[_Call], list[_Call]]:
-    """(intra + successive calls, inter calls in chunk order) for one document."""
-    full, tail = divmod(n_tokens, length)
-    batched: list[_Call] = []
-    if full:
-        batched.append(_Call(INTRA, 0, length, full, 0, length, True))
-    if tail:
-        batched.append(_Call(INTRA, full * length, tail, 1, full * length, tail, True))
-    if full >= 2:
-        batched.append(_Call(SUCCESSIVE, length, length, full - 1, 0, length, False))
-    if tail and full >= 1:
-        batched.append(_Call(SUCCESSIVE, full * length, tail, 1, (full - 1) * length, length,
-                             False))
-    inter = [_Call(INTER, c * length, min(length, n_tokens - c * length), 1, 0, (c - 1) * length,
-                   False) for c in range(2, -(-n_tokens // length))]
-    return batched, inter
-
-
-def _blocks(x: torch.Tensor, start: int, rows: int, blocks: int) -> torch.Tensor:
-    """Rows [start, start + blocks * rows) of a contiguous [s, h, d] as [blocks, h, rows, d]."""
-    return x[start:start + blocks * rows].view(blocks, rows, *x.shape[1:]).transpose(1, 2)
-
-
-def _block_lse(lse: torch.Tensor, start: int, rows: int, blocks: int) -> torch.Tensor:
-    """Rows of a merged [h, s] lse as the contiguous [blocks, h, rows] a kernel backward wants."""
-    part = lse[:, start:start + blocks * rows]
-    return part.unflatten(1, (blocks, rows)).transpose(0, 1).contiguous()
 
 
 class _Plan:
@@ -125,10 +74,20 @@ class _Plan:
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
         q_rot = rotate_multi(q, self.positions, self.cos, self.sin)
-        k_rot = rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
         if self.q_scale is not None:
             q_rot.mul_(self.q_scale[:, None, :, None, None])  # [parts, 1, s, 1, 1]
-        return q_rot, k_rot
+        return q_rot, self.rotate_k(k)
+
+    def rotate_q(self, q: torch.Tensor, part: int) -> torch.Tensor:
+        """q rotated for one part [b, s, hq, d] (times that part's logit factors, if any)."""
+        q_rot = rotate_multi(q, self.positions[part:part + 1], self.cos, self.sin)[0]
+        if self.q_scale is not None:
+            q_rot.mul_(self.q_scale[part, None, :, None, None])  # [1, s, 1, 1]
+        return q_rot
+
+    def rotate_k(self, k: torch.Tensor) -> torch.Tensor:
+        """k rotated to its in-chunk offset r [b, s, hk, d] (the same for every part)."""
+        return rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -183,149 +142,63 @@ class _DualChunkAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        plan: _Plan = ctx.plan
         dout = dout.contiguous()  # out's layout, as the kernel backwards require
-        q_rot, k_rot = plan.rotate(q, k)
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        for b, start, n in plan.docs:
-            rows = slice(start, start + n)
-            _backward_document(
-                plan, n, ctx.scale, [q_rot[p, b, rows] for p in range(plan.num_parts)],
-                k_rot[b, rows], v[b, rows], out[b, rows], dout[b, rows], lse[b, :, rows],
-                plan.positions[:, rows], None if plan.q_scale is None else plan.q_scale[:, rows],
-                dq[b, rows], dk[b, rows], dv[b, rows])
-        return dq, dk, dv, None, None
+        return *dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout), None, None
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts; v contiguous."""
+    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts; v contiguous.
+
+    One part at a time, so only its rotated q is alive; intra and successive partials wait for
+    their chunk's inter call, and each chunk merges right after it, so partials die early.
+    """
     batch, seq, heads, _ = q.shape
-    q_rot, k_rot = plan.rotate(q, k)
+    k_rot = plan.rotate_k(k)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [b, s, hq, d]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)  # merged
     length = plan.length
-    for b, start, n in plan.docs:
+    calls = [document_calls(n, length) for _, _, n in plan.docs]
+    # per document: chunk -> [(out [rows, h, d], lse [h, rows])] of the parts run so far
+    partials: list[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in calls]
+    for part in range(min(plan.num_parts, INTER)):
+        q_rot = plan.rotate_q(q, part)  # [b, s, hq, d]
+        for (b, start, n), (batched, _), doc in zip(plan.docs, calls, partials):
+            rows = slice(start, start + n)
+            for call in batched:
+                if call.part == part:
+                    _forward_call(call, q_rot[b, rows], k_rot[b, rows], v[b, rows], doc, length,
+                                  scale)
+        del q_rot
+    q_rot = plan.rotate_q(q, INTER) if plan.num_parts > INTER else None
+    for (b, start, n), (_, inter), doc in zip(plan.docs, calls, partials):
         rows = slice(start, start + n)
-        qs = [q_rot[p, b, rows] for p in range(plan.num_parts)]  # each [n, hq, d]
-        ks, vs = k_rot[b, rows], v[b, rows]
-        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        batched, inter = _document_calls(n, length)
         inter_by_chunk = {call.q0 // length: call for call in inter}
-        for call in batched:
-            _forward_call(call, qs, ks, vs, parts, length, scale)
         out_doc, lse_doc = out[b, rows], lse[b, :, rows]
-        # Merge chunk by chunk, right after its inter call, so partial outputs die early.
         for chunk in range(-(-n // length)):
             if chunk in inter_by_chunk:
-                _forward_call(inter_by_chunk[chunk], qs, ks, vs, parts, length, scale)
+                _forward_call(inter_by_chunk[chunk], q_rot[b, rows], k_rot[b, rows], v[b, rows],
+                              doc, length, scale)
             span = slice(chunk * length, min(n, (chunk + 1) * length))
-            chunk_parts = parts.pop(chunk)
+            chunk_parts = doc.pop(chunk)
             merge_partials([o for o, _ in chunk_parts], [lse_p for _, lse_p in chunk_parts],
                            out_doc[span], lse_doc[:, span])
     return out, lse
 
 
-def _forward_call(call: _Call, qs: list[torch.Tensor], ks: torch.Tensor, vs: torch.Tensor,
-                  parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], length: int,
+def _forward_call(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  partials: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], length: int,
                   scale: float) -> None:
-    """One part's kernel forward; its (out [rows, h, d], lse [h, rows]) per chunk into `parts`."""
+    """One call's kernel forward ([n, h, d] document views, q rotated for the call's part);
+    its (out [rows, h, d], lse [h, rows]) per chunk into `partials`."""
     o, lse_p = attention_forward(
-        _blocks(qs[call.part], call.q0, call.rows, call.blocks),
-        _blocks(ks, call.k0, call.krows, call.blocks),
-        _blocks(vs, call.k0, call.krows, call.blocks),
+        blocks(q, call.q0, call.rows, call.blocks), blocks(k, call.k0, call.krows, call.blocks),
+        blocks(v, call.k0, call.krows, call.blocks),
         causal=call.causal, scale=scale)  # [blocks, h, rows, d], [blocks, h, rows]
     for j in range(call.blocks):
         chunk = (call.q0 + j * call.rows) // length
-        parts.setdefault(chunk, []).append((o[j].transpose(0, 1), lse_p[j]))
-
-
-def _backward_document(plan: _Plan, n: int, scale: float, qs: list[torch.Tensor],
-                       ks: torch.Tensor, vs: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-                       lse: torch.Tensor, positions: torch.Tensor, q_scale: torch.Tensor | None,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Gradients of one document ([n, h, d] views; dq, dk, dv written in place).
-
-    Every chunk's dq is R^T-summed over its (up to three) parts by one fused pass; dk and dv
-    likewise over intra, successive and inter. q_scale [parts, n] (or None): the factors the
-    rotated queries carry, so each part's dq is scaled by them before the transposed rotation.
-    """
-    length = plan.length
-    chunks = -(-n // length)
-    span = [slice(c * length, min(n, (c + 1) * length)) for c in range(chunks)]
-    grad_q: dict[int, list[tuple[int, torch.Tensor]]] = {}  # chunk -> [(part, [rows, h, d])]
-    grad_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # key chunk -> [(dk, dv)]
-
-    def finish_dq(chunk: int) -> None:
-        terms = grad_q.pop(chunk)
-        if q_scale is not None:
-            terms = [(p, g * q_scale[p, span[chunk], None, None]) for p, g in terms]
-        rotate_transpose_sum([g for _, g in terms], [positions[p, span[chunk]] for p, _ in terms],
-                             plan.cos, plan.sin, dq[span[chunk]])
-
-    def call_backward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        grads = attention_backward(
-            _blocks(dout, call.q0, call.rows, call.blocks),
-            _blocks(qs[call.part], call.q0, call.rows, call.blocks),
-            _blocks(ks, call.k0, call.krows, call.blocks),
-            _blocks(vs, call.k0, call.krows, call.blocks),
-            _blocks(out, call.q0, call.rows, call.blocks),
-            _block_lse(lse, call.q0, call.rows, call.blocks),
-            causal=call.causal, scale=scale)
-        dq_c, dk_c, dv_c = (g.transpose(1, 2) for g in grads)  # [blocks, rows, h, d]
-        return dq_c, dk_c, dv_c
-
-    batched, inter = _document_calls(n, length)
-    for call in batched:
-        dq_c, dk_c, dv_c = call_backward(call)
-        for j in range(call.blocks):
-            grad_q.setdefault((call.q0 + j * call.rows) // length, []).append((call.part, dq_c[j]))
-            grad_kv.setdefault((call.k0 + j * call.krows) // length, []).append(
-                (dk_c[j], dv_c[j]))
-    for chunk in range(min(2, chunks)):
-        finish_dq(chunk)
-    # The inter region is a staircase: query chunk c sees key chunks 0 .. c-2. Cut into one call
-    # per query chunk, its dk/dv overlap on key prefixes; cut into one call per key chunk, its dq
-    # overlaps on query suffixes. Overlaps are summed in float32 (first touch copies, later
-    # calls add); cut the way that accumulates fewer bytes: dq (hq heads) or dk+dv (2 hk).
-    acc_dtype = plan.cos.dtype
-    if inter and qs[0].shape[1] >= 2 * ks.shape[1]:
-        acc_k = torch.empty(inter[-1].krows, *dk.shape[1:], dtype=acc_dtype, device=dk.device)
-        acc_v = torch.empty_like(acc_k)
-        for call in inter:
-            dq_c, dk_c, dv_c = call_backward(call)
-            grad_q[call.q0 // length].append((INTER, dq_c[0]))
-            seen = call.krows - length  # key rows earlier calls already reached
-            for acc, g in ((acc_k, dk_c[0]), (acc_v, dv_c[0])):
-                acc[:seen].add_(g[:seen])
-                acc[seen:call.krows].copy_(g[seen:])
-            finish_dq(call.q0 // length)
-        for chunk in range(chunks - 2):
-            grad_kv[chunk].append((acc_k[span[chunk]], acc_v[span[chunk]]))
-    elif inter:
-        first = 2 * length  # the first inter query row
-        acc_q = torch.empty(n - first, *dq.shape[1:], dtype=acc_dtype, device=dq.device)
-        for j in range(chunks - 2):
-            call = _Call(INTER, (j + 2) * length, n - (j + 2) * length, 1, j * length, length,
-                         False)
-            dq_c, dk_c, dv_c = call_backward(call)
-            if j == 0:
-                acc_q.copy_(dq_c[0])
-            else:
-                acc_q[call.q0 - first:].add_(dq_c[0])
-            grad_kv[j].append((dk_c[0], dv_c[0]))
-        for chunk in range(2, chunks):
-            rows = span[chunk]
-            grad_q[chunk].append((INTER, acc_q[rows.start - first:rows.stop - first]))
-            finish_dq(chunk)
-    for chunk, terms in grad_kv.items():
-        rows = span[chunk]
-        rotate_transpose_sum([t for t, _ in terms], [positions[0, rows]] * len(terms), plan.cos,
-                             plan.sin, dk[rows])
-        rotate_transpose_sum([t for _, t in terms], None, plan.cos, plan.sin, dv[rows])
+        partials.setdefault(chunk, []).append((o[j].transpose(0, 1), lse_p[j]))
 
 
 def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int,

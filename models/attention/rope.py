@@ -106,18 +106,20 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
 
 def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor] | None,
                          cos_half: torch.Tensor, sin_half: torch.Tensor,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, accumulate: bool = False) -> None:
     """out[...] = sum_i R(positions[i])^T grads[i]: the gradient through several rotations.
 
     grads: 1 to 3 [s, h, d] tensors (any strides with a unit last stride, any float dtype,
     summed in float32 or float64); positions: matching contiguous [s] int32 rows of the tables,
-    or None for a plain sum; out: [s, h, d], written in place.
+    or None for a plain sum; out: [s, h, d], written in place, or added to (`accumulate`: out
+    joins the sum before its one rounding).
     """
     if not 1 <= len(grads) <= 3:
         raise ValueError(f"rotate_transpose_sum takes 1 to 3 gradients, got {len(grads)}")
     s, h, d = out.shape
     if not _use_triton(out):
-        acc = torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device)
+        acc = (out.to(cos_half.dtype) if accumulate
+               else torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device))
         for i, g in enumerate(grads):
             if positions is None:
                 acc += g
@@ -135,8 +137,8 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
         g[0], g[1], g[2], p[0], p[1], p[2], cos_half, sin_half, out, s, h,
         g[0].stride(0), g[0].stride(1), g[1].stride(0), g[1].stride(1),
         g[2].stride(0), g[2].stride(1), out.stride(0), out.stride(1), cos_half.stride(0),
-        NUM_IN=len(grads), ROTATE=positions is not None, HALF=d // 2, BLOCK_S=block_s,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
+        NUM_IN=len(grads), ROTATE=positions is not None, ACCUMULATE=accumulate, HALF=d // 2,
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
     )
 
 
@@ -222,7 +224,7 @@ if triton is not None:
                                      cos_ptr, sin_ptr, out_ptr, S, H,
                                      s0s, s0h, s1s, s1h, s2s, s2h, sos, soh, stab,
                                      NUM_IN: tl.constexpr, ROTATE: tl.constexpr,
-                                     HALF: tl.constexpr,
+                                     ACCUMULATE: tl.constexpr, HALF: tl.constexpr,
                                      BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
                                      BLOCK_D: tl.constexpr):
         tok = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS]
@@ -233,6 +235,10 @@ if triton is not None:
         tab_mask = tok_ok[:, None] & (dim < HALF)[None, :]
         acc1 = tl.zeros((BLOCK_S, BLOCK_H, BLOCK_D), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_S, BLOCK_H, BLOCK_D), dtype=tl.float32)
+        if ACCUMULATE:  # out joins the sum (each program reads its own rows before writing them)
+            acc1, acc2 = _accumulate_transposed(acc1, acc2, out_ptr, sos, soh, p0_ptr, cos_ptr,
+                                                sin_ptr, stab, tok, head, dim, mask, tab_mask,
+                                                tok_ok, False, HALF)
         acc1, acc2 = _accumulate_transposed(acc1, acc2, g0_ptr, s0s, s0h, p0_ptr, cos_ptr,
                                             sin_ptr, stab, tok, head, dim, mask, tab_mask,
                                             tok_ok, ROTATE, HALF)

@@ -58,9 +58,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_bf16_fast_path_matches_float64_reference(packed: bool) -> None:
+@pytest.mark.parametrize("hk", [2, 8])  # the two cuts of the inter backward (GQA, MHA)
+def test_bf16_fast_path_matches_float64_reference(packed: bool, hk: int) -> None:
     torch.manual_seed(0)
-    seq, hq, hk, d, chunk, local = 4096, 8, 2, 128, 1024, 128  # L = 896: 4 chunks + a tail
+    seq, hq, d, chunk, local = 4096, 8, 128, 1024, 128  # L = 896: 4 chunks + a tail
     cu = torch.tensor([0, 700, 2500, 2600, seq], dtype=torch.int32, device="cuda") if packed \
         else None
     q, k, v = (torch.randn(1, seq, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_()

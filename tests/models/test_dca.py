@@ -7,6 +7,8 @@ takes one softmax over all allowed keys. It shares no code with models.attention
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -279,3 +281,45 @@ def test_the_shortcut_is_not_taken_where_dca_is_not_causal(seq: int, local_size:
     plan = dca._Plan(q, 16, local_size, 10000.0, 1.0, None,
                      DCAScaling(kind=scaling, floor_scale=4))
     assert not plan.causal
+
+
+@pytest.mark.parametrize(("hq", "hk", "cu"), [(2, 2, None), (6, 2, None),
+                                              (4, 2, [0, 5, 30, 31, 52])])
+def test_one_rotated_query_at_a_time(hq: int, hk: int, cu: list[int] | None,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and backward rotate q for one part at a time and drop it before the next part
+    (the memory the issue-18 schedule saves): every earlier rotation is freed when a new one
+    is made. Both inter cuts (MHA per key chunk, GQA per query chunk) and packed documents."""
+    rotations: list[weakref.ref] = []
+    rotate_q = dca._Plan.rotate_q
+
+    def tracked(plan: dca._Plan, q: torch.Tensor, part: int) -> torch.Tensor:
+        assert all(ref() is None for ref in rotations), "an earlier part's rotated q is alive"
+        q_rot = rotate_q(plan, q, part)
+        rotations.append(weakref.ref(q_rot))
+        return q_rot
+
+    monkeypatch.setattr(dca._Plan, "rotate_q", tracked)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v = make_qkv(1, 52, hq, hk, 8)
+    out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, cu_seqlens=cu_seqlens)
+    grads(out, [q, k, v])
+    assert len(rotations) == 6  # three parts, forward and backward
+
+
+@pytest.mark.parametrize(("hq", "hk"), [(2, 2), (6, 2)])
+def test_token_major_kernel_gradients(hq: int, hk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN returns gradients in its inputs' (token-major) layout, which the backward reads as
+    one piece per call; the math kernel's head-major ones are read block by block. Both give
+    the reference's gradients."""
+    from models.attention import dca_backward
+
+    kernel = dca_backward.attention_backward
+
+    def token_major(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+        return tuple(g.transpose(1, 2).contiguous().transpose(1, 2)
+                     for g in kernel(*args, **kwargs))
+
+    monkeypatch.setattr(dca_backward, "attention_backward", token_major)
+    assert_matches_reference(1, 45, hq, hk, 8, chunk_size=11, local_size=3)
+    assert_matches_reference(2, 30, hq, hk, 8, chunk_size=8, local_size=2)
