@@ -67,6 +67,8 @@ from extrapolation_corpus import (  # noqa: E402
 )
 from extrapolation_report import collect, write  # noqa: E402
 
+from trainer.stop import StopOnSignal  # noqa: E402
+
 PERPLEXITY_WINDOWS = {False: 8, True: 2}  # eval.perplexity_windows, by --smoke
 ATTENTION_QUERIES = {False: 32, True: 4}  # eval.attention_queries (the attention probe)
 METHODS = ("standard", "pi", "ntk", "yarn", "dca", "dca+log", "dca+yarn")
@@ -126,35 +128,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _Signals:
-    """SIGTERM / SIGUSR1 (`timeout`, a scheduler) recorded, not fatal: they reach the running
-    child too (one process group), and a training saves its step before it exits; the driver
-    waits for it, then stops with 128 + signal. The same command continues from there."""
+# SIGTERM / SIGUSR1 (`timeout`, a scheduler), recorded by main rather than fatal: they reach the
+# running child too (one process group), and a training saves its step before it exits; the
+# driver waits for it, then stops with 128 + signal, and the same command continues from there.
+# A second signal ends the driver at once (trainer/stop.py).
+_signals: StopOnSignal | None = None
 
-    received = 0
 
-    @classmethod
-    def install(cls) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, cls._record)
-
-    @classmethod
-    def _record(cls, signum: int, frame: object) -> None:
-        cls.received = cls.received or signum
-
-    @classmethod
-    def stop_if_received(cls) -> None:
-        if cls.received:
-            print(f"stopped by {signal.Signals(cls.received).name}: rerun the same command to "
-                  "continue (finished trainings and evaluations are reused, a stopped training "
-                  "resumes from its last checkpoint)", file=sys.stderr, flush=True)
-            sys.exit(128 + cls.received)
+def _exit_if_signalled() -> None:
+    if _signals is not None and _signals.signum:
+        print(f"stopped by {signal.Signals(_signals.signum).name}: rerun the same command to "
+              "continue (finished trainings and evaluations are reused, a stopped training "
+              "resumes from its last checkpoint)", file=sys.stderr, flush=True)
+        sys.exit(128 + _signals.signum)
 
 
 def run(module: str, overrides: list[str], log: Path) -> None:
     """`python -m module overrides`, output appended to `log`; a failure prints the log's
     tail."""
-    _Signals.stop_if_received()
+    _exit_if_signalled()
     cmd = [sys.executable, "-m", module, *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -163,7 +155,7 @@ def run(module: str, overrides: list[str], log: Path) -> None:
     t0 = time.perf_counter()
     with open(log, "a") as f:  # a resumed training keeps its first part's log
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    _Signals.stop_if_received()
+    _exit_if_signalled()
     if proc.returncode:
         tail = log.read_text().splitlines()[-30:]
         sys.exit(f"{module} failed (exit {proc.returncode}); log {log}:\n" + "\n".join(tail))
@@ -301,8 +293,9 @@ def evaluate(args: argparse.Namespace, name: str, ckpt: Path, extra: list[str],
 
 
 def main(argv: list[str] | None = None) -> None:
+    global _signals
     args = parse_args(argv)
-    _Signals.install()
+    _signals = StopOnSignal()
     t_start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     lengths = [int(float(m) * args.seq) for m in args.lengths.split(",")]
