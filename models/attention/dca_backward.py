@@ -1,15 +1,20 @@
-"""Dual Chunk Attention's backward: the global-LSE recipe, one part at a time, in place.
+"""Dual Chunk Attention's backward: the global-LSE recipe in bounded kernel calls, in place.
 
-Every part's kernel backward gets the merged out and lse (lse_attention.py), so its dq, dk, dv
-are exact terms of the full gradient. Memory is what this file is arranged around:
-- only one part's rotated q [b, s, hq, d] is alive at a time (k's rotation, the same for every
-  part, lives throughout);
+Every call's kernel backward gets the merged out and lse (lse_attention.py), so its dq, dk, dv
+are exact terms of the full gradient. Memory is what this file is arranged around: cuDNN's
+causal backward holds about six copies of q (out, dq, dk, dv and its float32 dq accumulator),
+and everything here beyond the mandatory out, dq, dk, dv is kept to a fraction of that:
+- a kernel call reads at most `rows_per_call` query rows (a quarter of the tokens, at least
+  MIN_ROWS_PER_CALL): batched chunk calls are cut into groups of chunks, the inter staircase's
+  query range into pieces, so a kernel's own gradients and workspace stay a fraction of q's;
+- each call rotates just the q and k rows it reads (one memory-bound pass each), so no rotated
+  copy of all of q or k is alive;
 - each call's gradients go back through their rotation (a rotation's transpose is the rotation
-  with sin negated) and into dq, dk, dv right after the call, then die: intra writes (it reaches
-  every row), successive and inter add (`rotate_transpose_sum(..., accumulate=True)`: the sum is
-  taken in float32 and rounded once per call, so a bf16 gradient is rounded at most three times);
-- the inter staircase, whose calls overlap, sums its overlaps in a float32 buffer first, so a
-  document of many chunks does not round once per chunk.
+  with sin negated) and into dq, dk, dv right after the call: intra writes (its calls reach
+  every row once), successive and inter add (`rotate_transpose_sum(..., accumulate=True)`: the
+  sum is taken in float32 and rounded once, so a bf16 gradient is rounded at most three times);
+- the inter staircase, whose calls overlap, sums its overlaps in float32 first, so a document of
+  many chunks does not round once per chunk.
 """
 
 from __future__ import annotations
@@ -18,19 +23,32 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from models.attention.dca_calls import INTER, INTRA, Call, block_lse, blocks, document_calls
+from models.attention.dca_calls import (
+    INTER,
+    INTRA,
+    Call,
+    block_lse,
+    blocks,
+    bounded,
+    document_calls,
+)
 from models.attention.lse_attention import attention_backward
-from models.attention.rope import rotate_transpose_sum
+from models.attention.rope import rotate_multi, rotate_transpose_sum
 
 if TYPE_CHECKING:
     from models.attention.dca import _Plan
+
+# A call's query rows: at most a quarter of the tokens, but never fewer than this many (below
+# it the calls get too small to fill the GPU, and at 8K the budget is one call per part).
+MIN_ROWS_PER_CALL = 8192
 
 
 class _Document(NamedTuple):
     """One document's tensors: [n, h, d] views (dq, dk, dv written in place), lse [hq, n],
     positions and q_scale [parts, n] (q_scale None: no length scaling)."""
     n: int
-    k: torch.Tensor  # rotated to r
+    q: torch.Tensor  # unrotated
+    k: torch.Tensor  # unrotated
     v: torch.Tensor
     out: torch.Tensor
     dout: torch.Tensor
@@ -42,53 +60,77 @@ class _Document(NamedTuple):
     dv: torch.Tensor
 
 
+def rows_per_call(tokens: int) -> int:
+    """The most query rows one kernel call of the backward reads, for `tokens` in the batch."""
+    return max(tokens // 4, MIN_ROWS_PER_CALL)
+
+
 def dca_backward(plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]."""
-    k_rot = plan.rotate_k(k)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    docs = []
+    budget = rows_per_call(q.shape[0] * q.shape[1])
     for b, start, n in plan.docs:
         rows = slice(start, start + n)
-        docs.append(_Document(n, k_rot[b, rows], v[b, rows], out[b, rows], dout[b, rows],
-                              lse[b, :, rows], plan.positions[:, rows],
-                              None if plan.q_scale is None else plan.q_scale[:, rows],
-                              dq[b, rows], dk[b, rows], dv[b, rows]))
-    for part in range(plan.num_parts):  # intra first: it writes every row, the others add
-        _part_backward(plan, scale, plan.rotate_q(q, part), part, docs)
+        doc = _Document(n, q[b, rows], k[b, rows], v[b, rows], out[b, rows], dout[b, rows],
+                        lse[b, :, rows], plan.positions[:, rows],
+                        None if plan.q_scale is None else plan.q_scale[:, rows],
+                        dq[b, rows], dk[b, rows], dv[b, rows])
+        for call in bounded(document_calls(n, plan.length)[0], budget):  # intra calls first
+            _batched_call_backward(plan, scale, call, doc)
+        if -(-n // plan.length) >= 3:
+            if q.shape[2] >= 2 * k.shape[2]:
+                _inter_by_query_chunk(plan, scale, doc)
+            else:
+                _inter_by_key_chunk(plan, scale, doc, budget)
     return dq, dk, dv
 
 
-def _part_backward(plan: _Plan, scale: float, q_rot: torch.Tensor, part: int,
-                   docs: list[_Document]) -> None:
-    """One part's gradients into every document's dq, dk, dv (q_rot [b, s, hq, d] dies with
-    this call: nothing here outlives it)."""
-    for (b, start, n), doc in zip(plan.docs, docs):
-        q_doc = q_rot[b, start:start + n]
-        if part == INTER:
-            _inter_backward(plan, scale, q_doc, doc)
-            continue
-        for call in document_calls(n, plan.length)[0]:
-            if call.part == part:
-                dq_c, dk_c, dv_c = _call_backward(call, q_doc, doc, scale)
-                for j, g in _pieces(dq_c, call.q0):
-                    _add_dq(plan, doc, part, j, g, accumulate=part != INTRA)
-                for (j, gk), (_, gv) in zip(_pieces(dk_c, call.k0), _pieces(dv_c, call.k0)):
-                    _add_dkv(plan, doc, j, gk, gv, accumulate=part != INTRA)
+def _rotated_q(plan: _Plan, doc: _Document, part: int, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of the document's q rotated for `part` (times the part's
+    logit factors, if any): a contiguous [count, hq, d]."""
+    rows = slice(start, start + count)
+    q_rot = rotate_multi(doc.q[None, rows], doc.positions[part:part + 1, rows], plan.cos,
+                         plan.sin)[0, 0]
+    if doc.q_scale is not None:
+        q_rot.mul_(doc.q_scale[part, rows, None, None])
+    return q_rot
 
 
-def _call_backward(call: Call, q: torch.Tensor, doc: _Document, scale: float,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One call's kernel backward: dq [blocks, hq, rows, d], dk and dv [blocks, hk, krows, d]."""
+def _rotated_k(plan: _Plan, doc: _Document, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of the document's k rotated to their in-chunk offsets (the
+    same in every part): a contiguous [count, hk, d]."""
+    rows = slice(start, start + count)
+    return rotate_multi(doc.k[None, rows], doc.positions[INTRA:INTRA + 1, rows], plan.cos,
+                        plan.sin)[0, 0]
+
+
+def _kernel_backward(call: Call, q_rot: torch.Tensor, k_rot: torch.Tensor, doc: _Document,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call's kernel backward (q_rot from row call.q0, k_rot from call.k0): dq [blocks, hq,
+    rows, d], dk and dv [blocks, hk, krows, d]."""
     return attention_backward(
         blocks(doc.dout, call.q0, call.rows, call.blocks),
-        blocks(q, call.q0, call.rows, call.blocks),
-        blocks(doc.k, call.k0, call.krows, call.blocks),
+        blocks(q_rot, 0, call.rows, call.blocks),
+        blocks(k_rot, 0, call.krows, call.blocks),
         blocks(doc.v, call.k0, call.krows, call.blocks),
         blocks(doc.out, call.q0, call.rows, call.blocks),
         block_lse(doc.lse, call.q0, call.rows, call.blocks),
         causal=call.causal, scale=scale)
+
+
+def _batched_call_backward(plan: _Plan, scale: float, call: Call, doc: _Document) -> None:
+    """An intra (writes) or successive (adds) call's gradients into dq, dk, dv."""
+    q_rot = _rotated_q(plan, doc, call.part, call.q0, call.rows * call.blocks)
+    k_rot = _rotated_k(plan, doc, call.k0, call.krows * call.blocks)
+    dq_c, dk_c, dv_c = _kernel_backward(call, q_rot, k_rot, doc, scale)
+    del q_rot, k_rot
+    accumulate = call.part != INTRA
+    for j, g in _pieces(dq_c, call.q0):
+        _add_dq(plan, doc, call.part, j, g, accumulate)
+    for (j, gk), (_, gv) in zip(_pieces(dk_c, call.k0), _pieces(dv_c, call.k0)):
+        _add_dkv(plan, doc, j, gk, gv, accumulate)
 
 
 def _pieces(grad: torch.Tensor, start: int) -> list[tuple[int, torch.Tensor]]:
@@ -119,43 +161,77 @@ def _add_dkv(plan: _Plan, doc: _Document, start: int, dk: torch.Tensor, dv: torc
     rotate_transpose_sum([dv], None, plan.cos, plan.sin, doc.dv[rows], accumulate)
 
 
-def _inter_backward(plan: _Plan, scale: float, q: torch.Tensor, doc: _Document) -> None:
-    """The inter part's gradients, added into the document's dq, dk, dv.
-
-    The inter region is a staircase: query chunk c sees key chunks 0 .. c-2. Cut into one call
-    per query chunk, its dk/dv overlap on key prefixes; cut into one call per key chunk, its dq
-    overlaps on query suffixes. Overlaps are summed in float32 (first touch copies, later calls
-    add); the cut is the one that accumulates fewer bytes: dq (hq heads) or dk + dv (2 hk).
-    """
+def _inter_by_query_chunk(plan: _Plan, scale: float, doc: _Document) -> None:
+    """The inter staircase (query chunk c sees key chunks 0 .. c-2) cut into one call per query
+    chunk: each call's dq is complete, its dk/dv overlap on key prefixes and sum in float32
+    buffers first. The cut for GQA, whose k/v are the smaller side."""
     length = plan.length
-    chunks = -(-doc.n // length)
-    if chunks < 3:
-        return
+    inter = document_calls(doc.n, length)[1]
+    keys = inter[-1].krows  # (chunks - 2) L
+    k_rot = _rotated_k(plan, doc, 0, keys)
+    acc_k = torch.empty(keys, *doc.dk.shape[1:], dtype=plan.cos.dtype, device=doc.dk.device)
+    acc_v = torch.empty_like(acc_k)
+    for call in inter:
+        q_rot = _rotated_q(plan, doc, INTER, call.q0, call.rows)
+        dq_c, dk_c, dv_c = (g[0].transpose(0, 1)
+                            for g in _kernel_backward(call, q_rot, k_rot, doc, scale))
+        del q_rot
+        _add_dq(plan, doc, INTER, call.q0, dq_c, accumulate=True)
+        seen = call.krows - length  # key rows earlier calls already reached
+        for acc, g in ((acc_k, dk_c), (acc_v, dv_c)):
+            acc[:seen].add_(g[:seen])
+            acc[seen:call.krows].copy_(g[seen:])
+    _add_dkv(plan, doc, 0, acc_k, acc_v, accumulate=True)
+
+
+def _inter_by_key_chunk(plan: _Plan, scale: float, doc: _Document, budget: int) -> None:
+    """The inter staircase cut per key chunk j (queries from chunk j + 2 on), each query range
+    cut again into pieces of at most `budget` rows: dq overlaps across key chunks and sums in a
+    float32 buffer, a key chunk's dk/dv over its pieces in a float32 buffer of one chunk. The
+    cut for MHA, whose q is no bigger than k and v together."""
+    length = plan.length
+    first = 2 * length  # the first inter query row
     acc_dtype = plan.cos.dtype
-    if q.shape[1] >= 2 * doc.k.shape[1]:  # per query chunk
-        inter = document_calls(doc.n, length)[1]
-        keys = inter[-1].krows  # (chunks - 2) L
-        acc_k = torch.empty(keys, *doc.dk.shape[1:], dtype=acc_dtype, device=doc.dk.device)
-        acc_v = torch.empty_like(acc_k)
-        for call in inter:
-            dq_c, dk_c, dv_c = (g[0].transpose(0, 1) for g in _call_backward(call, q, doc, scale))
-            _add_dq(plan, doc, INTER, call.q0, dq_c, accumulate=True)
-            seen = call.krows - length  # key rows earlier calls already reached
-            for acc, g in ((acc_k, dk_c), (acc_v, dv_c)):
-                acc[:seen].add_(g[:seen])
-                acc[seen:call.krows].copy_(g[seen:])
-        _add_dkv(plan, doc, 0, acc_k, acc_v, accumulate=True)
-    else:  # per key chunk
-        first = 2 * length  # the first inter query row
-        acc_q = torch.empty(doc.n - first, *doc.dq.shape[1:], dtype=acc_dtype,
-                            device=doc.dq.device)
-        for j in range(chunks - 2):
-            q0 = (j + 2) * length
-            call = Call(INTER, q0, doc.n - q0, 1, j * length, length, False)
-            dq_c, dk_c, dv_c = (g[0].transpose(0, 1) for g in _call_backward(call, q, doc, scale))
-            if j == 0:
-                acc_q.copy_(dq_c)
+    acc_q = torch.empty(doc.n - first, *doc.dq.shape[1:], dtype=acc_dtype, device=doc.dq.device)
+    acc_k = acc_v = None
+    for j in range(-(-doc.n // length) - 2):
+        k_rot = _rotated_k(plan, doc, j * length, length)
+        pieces = _pieces_of((j + 2) * length, doc.n, budget)
+        if len(pieces) > 1 and acc_k is None:
+            acc_k = torch.empty(length, *doc.dk.shape[1:], dtype=acc_dtype, device=doc.dk.device)
+            acc_v = torch.empty_like(acc_k)
+        for i, (q0, rows) in enumerate(pieces):
+            call = Call(INTER, q0, rows, 1, j * length, length, False)
+            q_rot = _rotated_q(plan, doc, INTER, q0, rows)
+            dq_c, dk_c, dv_c = (g[0].transpose(0, 1)
+                                for g in _kernel_backward(call, q_rot, k_rot, doc, scale))
+            del q_rot
+            acc_rows = acc_q[q0 - first:q0 - first + rows]
+            if j == 0:  # key chunk 0 reaches every inter query row
+                acc_rows.copy_(dq_c)
             else:
-                acc_q[q0 - first:].add_(dq_c)
-            _add_dkv(plan, doc, j * length, dk_c, dv_c, accumulate=True)
-        _add_dq(plan, doc, INTER, first, acc_q, accumulate=True)
+                acc_rows.add_(dq_c)
+            if len(pieces) == 1:
+                _add_dkv(plan, doc, j * length, dk_c, dv_c, accumulate=True)
+            elif i == 0:
+                acc_k.copy_(dk_c)
+                acc_v.copy_(dv_c)
+            else:
+                acc_k.add_(dk_c)
+                acc_v.add_(dv_c)
+        if len(pieces) > 1:
+            _add_dkv(plan, doc, j * length, acc_k, acc_v, accumulate=True)
+    _add_dq(plan, doc, INTER, first, acc_q, accumulate=True)
+
+
+def _pieces_of(start: int, end: int, budget: int) -> list[tuple[int, int]]:
+    """Rows [start, end) as the fewest (first row, rows) pieces of at most `budget` rows, as
+    even as possible."""
+    count = -(-(end - start) // budget)
+    size, extra = divmod(end - start, count)
+    pieces = []
+    for i in range(count):
+        rows = size + (i < extra)
+        pieces.append((start, rows))
+        start += rows
+    return pieces

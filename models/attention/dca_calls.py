@@ -3,8 +3,9 @@
 Kernel calls per document of N tokens with chunk length L (nf = N div L full chunks, a tail):
   intra:      one causal call over the full chunks moved into the batch dim, one for the tail;
   successive: one full call over chunk pairs (c, c - 1) batched, one for the tail;
-  inter:      one full call per chunk c >= 2 over keys [0, (c - 1) L) (the backward may cut
-              this staircase per key chunk instead; see dca_backward.py).
+  inter:      one full call per chunk c >= 2 over keys [0, (c - 1) L).
+The backward bounds its calls (`bounded`: groups of chunks) and may cut the inter staircase per
+key chunk instead (dca_backward.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def document_calls(n_tokens: int, length: int) -> tuple[list[Call], list[Call]]:
     inter = [Call(INTER, c * length, min(length, n_tokens - c * length), 1, 0, (c - 1) * length,
                   False) for c in range(2, -(-n_tokens // length))]
     return batched, inter
+
+
+def bounded(calls: list[Call], max_rows: int) -> list[Call]:
+    """The calls cut so that none reads more than max(max_rows, its block's rows) query rows:
+    a batched call becomes calls over groups of consecutive blocks (its blocks are adjacent
+    row ranges of queries and of keys, so each group is a call of the same kind)."""
+    cut = []
+    for call in calls:
+        group = max(1, max_rows // call.rows)
+        for first in range(0, call.blocks, group):
+            cut.append(call._replace(q0=call.q0 + first * call.rows,
+                                     k0=call.k0 + first * call.krows,
+                                     blocks=min(group, call.blocks - first)))
+    return cut
 
 
 def blocks(x: torch.Tensor, start: int, rows: int, count: int) -> torch.Tensor:

@@ -285,11 +285,11 @@ def test_the_shortcut_is_not_taken_where_dca_is_not_causal(seq: int, local_size:
 
 @pytest.mark.parametrize(("hq", "hk", "cu"), [(2, 2, None), (6, 2, None),
                                               (4, 2, [0, 5, 30, 31, 52])])
-def test_one_rotated_query_at_a_time(hq: int, hk: int, cu: list[int] | None,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forward and backward rotate q for one part at a time and drop it before the next part
-    (the memory the issue-18 schedule saves): every earlier rotation is freed when a new one
-    is made. Both inter cuts (MHA per key chunk, GQA per query chunk) and packed documents."""
+def test_forward_rotates_one_query_at_a_time(hq: int, hk: int, cu: list[int] | None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward rotates all of q for one part at a time and drops it before the next part;
+    the backward rotates only the rows of each kernel call (test_dca_backward.py), never all
+    of q. Packed documents included."""
     rotations: list[weakref.ref] = []
     rotate_q = dca._Plan.rotate_q
 
@@ -304,7 +304,7 @@ def test_one_rotated_query_at_a_time(hq: int, hk: int, cu: list[int] | None,
     q, k, v = make_qkv(1, 52, hq, hk, 8)
     out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, cu_seqlens=cu_seqlens)
     grads(out, [q, k, v])
-    assert len(rotations) == 6  # three parts, forward and backward
+    assert len(rotations) == 3  # three parts in the forward, none in the backward
 
 
 @pytest.mark.parametrize(("hq", "hk"), [(2, 2), (6, 2)])
