@@ -12,9 +12,11 @@ and everything here beyond the mandatory out, dq, dk, dv is kept to a fraction o
 - each call's gradients go back through their rotation (a rotation's transpose is the rotation
   with sin negated) and into dq, dk, dv right after the call: intra writes (its calls reach
   every row once), successive and inter add (`rotate_transpose_sum(..., accumulate=True)`: the
-  sum is taken in float32 and rounded once, so a bf16 gradient is rounded at most three times);
-- the inter staircase, whose calls overlap, sums its overlaps in float32 first, so a document of
-  many chunks does not round once per chunk.
+  sum is taken in float32 and rounded once per add);
+- the inter staircase, whose calls overlap, sums the overlaps that grow with the chunk count in
+  float32 first (dq for MHA, dk/dv for GQA), so a document of many chunks does not round once
+  per chunk. A bf16 dq is rounded at most three times; dk and dv three times, or six for MHA
+  keys whose inter query range is cut into (at most four) pieces.
 """
 
 from __future__ import annotations
@@ -186,21 +188,17 @@ def _inter_by_query_chunk(plan: _Plan, scale: float, doc: _Document) -> None:
 
 def _inter_by_key_chunk(plan: _Plan, scale: float, doc: _Document, budget: int) -> None:
     """The inter staircase cut per key chunk j (queries from chunk j + 2 on), each query range
-    cut again into pieces of at most `budget` rows: dq overlaps across key chunks and sums in a
-    float32 buffer, a key chunk's dk/dv over its pieces in a float32 buffer of one chunk. The
-    cut for MHA, whose q is no bigger than k and v together."""
+    cut again into pieces of at most `budget` rows. dq overlaps across key chunks and sums in
+    a float32 buffer (rounded once); a key chunk's dk/dv are added once per piece (at most
+    four: pieces have at least a quarter of the tokens), which keeps every buffer but that
+    one smaller than a kernel call's. The cut for MHA, whose q is no bigger than k and v."""
     length = plan.length
     first = 2 * length  # the first inter query row
-    acc_dtype = plan.cos.dtype
-    acc_q = torch.empty(doc.n - first, *doc.dq.shape[1:], dtype=acc_dtype, device=doc.dq.device)
-    acc_k = acc_v = None
+    acc_q = torch.empty(doc.n - first, *doc.dq.shape[1:], dtype=plan.cos.dtype,
+                        device=doc.dq.device)
     for j in range(-(-doc.n // length) - 2):
         k_rot = _rotated_k(plan, doc, j * length, length)
-        pieces = _pieces_of((j + 2) * length, doc.n, budget)
-        if len(pieces) > 1 and acc_k is None:
-            acc_k = torch.empty(length, *doc.dk.shape[1:], dtype=acc_dtype, device=doc.dk.device)
-            acc_v = torch.empty_like(acc_k)
-        for i, (q0, rows) in enumerate(pieces):
+        for q0, rows in _pieces_of((j + 2) * length, doc.n, budget):
             call = Call(INTER, q0, rows, 1, j * length, length, False)
             q_rot = _rotated_q(plan, doc, INTER, q0, rows)
             dq_c, dk_c, dv_c = (g[0].transpose(0, 1)
@@ -211,16 +209,7 @@ def _inter_by_key_chunk(plan: _Plan, scale: float, doc: _Document, budget: int) 
                 acc_rows.copy_(dq_c)
             else:
                 acc_rows.add_(dq_c)
-            if len(pieces) == 1:
-                _add_dkv(plan, doc, j * length, dk_c, dv_c, accumulate=True)
-            elif i == 0:
-                acc_k.copy_(dk_c)
-                acc_v.copy_(dv_c)
-            else:
-                acc_k.add_(dk_c)
-                acc_v.add_(dv_c)
-        if len(pieces) > 1:
-            _add_dkv(plan, doc, j * length, acc_k, acc_v, accumulate=True)
+            _add_dkv(plan, doc, j * length, dk_c, dv_c, accumulate=True)
     _add_dq(plan, doc, INTER, first, acc_q, accumulate=True)
 
 

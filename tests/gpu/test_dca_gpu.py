@@ -120,9 +120,10 @@ def _peak_above_inputs(attention, seq: int, hk: int) -> int:
 
 def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                              v.transpose(1, 2), is_causal=True,
-                                              enable_gqa=q.shape[2] != k.shape[2])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)  # [b, s, h, d], as the inputs and dout
 
 
 @pytest.mark.parametrize(("chunk", "local"), [(8192, 1024), (2048, 256)])
