@@ -15,8 +15,8 @@ Each part runs as dense attention that also returns its log-sum-exp (the calls:
 dca_calls.py); outputs merge by LSE; the backward is the global-LSE recipe (dca_backward.py).
 Documents of at most C tokens are plain causal attention at their own positions (one call; see
 _Plan.causal). Nothing is S x S on the fused (CUDA fp16/bf16) path, K/V are never repeated, and
-only one part's rotated q exists at a time. The rotated q/k are recomputed in backward (one
-fused pass each), not kept as saved activations.
+the forward holds one part's rotated q at a time. Rotations are not saved activations: the
+backward makes them again, per kernel call (one fused pass each; dca_backward.py).
 """
 
 from __future__ import annotations
