@@ -10,8 +10,11 @@ FLOP convention: causal attention's forward is 4 * b * h * s^2 * d / 2 (two matm
 score matrix); the backward is 2.5x the forward, so forward+backward is 3.5x. DCA does exactly
 causal attention's work and is counted the same way; chunked attention is counted by its own
 work (causal within each chunk). `vs cudnn` is cuDNN causal SDPA's time divided by the
-variant's time on the same shape. Times are medians over `--repeats` runs, each between CUDA
-events after warm-up; memory is the peak allocated during one forward+backward above the inputs.
+variant's time on the same shape. Times are medians over `--repeats` samples between CUDA
+events after warm-up, each one call followed by a synchronisation (host time included), or with
+`--back-to-back N` the mean of N calls queued one after another (as inside a model, where the
+host runs ahead of the GPU); memory is the peak allocated during one forward+backward above the
+inputs.
 """
 
 from __future__ import annotations
@@ -91,18 +94,24 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
 }
 
 
-def time_ms(step: Callable[[], object], warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of each timed run of `step`, between CUDA events."""
+def time_ms(step: Callable[[], object], warmup: int, repeats: int,
+            back_to_back: int = 1) -> list[float]:
+    """Milliseconds per call of `step`: `repeats` samples between CUDA events, each over
+    `back_to_back` consecutive calls. With 1 the sample ends in a synchronisation, so the
+    host's time to issue the call shows wherever it exceeds the kernels'; with more the host
+    queues calls ahead of the GPU, as it does layer after layer inside a model, and a sample
+    is their mean."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        for _ in range(back_to_back):
+            step()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / back_to_back)
     return times
 
 
@@ -118,8 +127,8 @@ def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
     def forward_backward() -> object:
         return torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
 
-    fwd_times = time_ms(forward, args.warmup, args.repeats)
-    fwd_bwd_times = time_ms(forward_backward, args.warmup, args.repeats)
+    fwd_times = time_ms(forward, args.warmup, args.repeats, args.back_to_back)
+    fwd_bwd_times = time_ms(forward_backward, args.warmup, args.repeats, args.back_to_back)
     fwd, fwd_bwd = statistics.median(fwd_times), statistics.median(fwd_bwd_times)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -128,7 +137,8 @@ def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
     torch.cuda.synchronize()
     flops = variant.flops_fwd(1, heads, seq, dim)
     return {"variant": variant.name, "seq": seq, "heads": heads, "kv_heads": kv_heads,
-            "head_dim": dim, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
+            "head_dim": dim, "back_to_back": args.back_to_back, "fwd_ms": fwd,
+            "fwd_bwd_ms": fwd_bwd,
             "fwd_min_ms": min(fwd_times), "fwd_bwd_min_ms": min(fwd_bwd_times),
             "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
             "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
@@ -182,6 +192,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="calls per timed sample (1: synchronised after each call, host "
+                        "time included; more: queued back to back, as inside a model)")
     parser.add_argument("--dca-chunk", type=int, default=8192)
     parser.add_argument("--dca-local", type=int, default=1024)
     parser.add_argument("--dca-small-chunk", type=int, default=2048)
@@ -214,7 +227,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     table = markdown(rows)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"cuDNN {torch.backends.cudnn.version()}\n\n{table}")
+          f"cuDNN {torch.backends.cudnn.version()}, {args.back_to_back} call(s) per timed "
+          f"sample\n\n{table}")
     if lse_attention.REFUSED:
         print("\nkernel calls refused (fell back to the next backend):",
               sorted(map(str, lse_attention.REFUSED)))

@@ -1,10 +1,11 @@
 """Issue 18's goals checked against measured rows: one table with each goal, its figure and
 whether it holds.
 
-    python bench/perf_goals.py --attention attention.json --train train.json [train2.json ...]
+    python bench/perf_goals.py --attention attention.json [attention_b2b.json] --train train.json
 
 `--attention`: `python -m bench.attention --out` (DCA vs cuDNN causal SDPA on the same shapes:
-forward+backward time ratio, peak memory ratio); `--train`: `bench/train.py --out` (MFU of
+forward+backward time ratio, peak memory ratio; rows timed `--back-to-back` are checked against
+cuDNN timed the same way, under their own label); `--train`: `bench/train.py --out` (MFU of
 gpt_1p3b per attention and length). Goals: DCA >= 0.97x cuDNN at 32K and 128K and >= 0.9x at
 8K (every DCA variant, MHA and GQA), DCA peak memory <= 1.3x cuDNN's at 32K and 128K, gpt_1p3b
 standard and DCA >= 50% MFU at 32K and >= 48% at 128K. bench/perf_goals.sh runs the
@@ -25,14 +26,15 @@ MFU = {32768: 0.50, 131072: 0.48}  # gpt_1p3b, standard and DCA, at least
 
 def attention_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One check per DCA row with a goal at its length: speed, and memory where one is set."""
-    base = {(r["seq"], r["kv_heads"]): r for r in rows
-            if r["variant"] == "sdpa_cudnn" and "error" not in r}
+    base = {_shape(r): r for r in rows if r["variant"] == "sdpa_cudnn" and "error" not in r}
     checks = []
     for r in rows:
-        ref = base.get((r["seq"], r["kv_heads"]))
+        ref = base.get(_shape(r))
         if not r["variant"].startswith("dca") or r["seq"] not in SPEED or ref is None:
             continue
-        what = f"{r['variant']} {r['seq']} {r['heads']}/{r['kv_heads']}"
+        calls = r.get("back_to_back", 1)
+        what = (f"{r['variant']} {r['seq']} {r['heads']}/{r['kv_heads']}"
+                + (f" back to back (x{calls})" if calls > 1 else ""))
         if "error" in r:
             checks.append(_check(f"{what} speed vs cuDNN", None, ">=", SPEED[r["seq"]]))
             continue
@@ -42,6 +44,11 @@ def attention_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             checks.append(_check(f"{what} peak memory vs cuDNN",
                                  r["peak_mib"] / ref["peak_mib"], "<=", MEMORY[r["seq"]]))
     return checks
+
+
+def _shape(row: dict[str, Any]) -> tuple[int, int, int]:
+    """What a DCA row is compared on: its length, KV heads and timing mode."""
+    return row["seq"], row["kv_heads"], row.get("back_to_back", 1)
 
 
 def train_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -68,13 +75,14 @@ def markdown(checks: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attention", type=Path, help="bench.attention --out JSON")
+    parser.add_argument("--attention", type=Path, nargs="*", default=[],
+                        help="bench.attention --out JSON (one per timing mode)")
     parser.add_argument("--train", type=Path, nargs="*", default=[], help="bench/train.py --out")
     parser.add_argument("--out", type=Path, help="write the checks as JSON here")
     args = parser.parse_args()
     checks = []
-    if args.attention:
-        checks += attention_goals(json.loads(args.attention.read_text())["rows"])
+    for path in args.attention:
+        checks += attention_goals(json.loads(path.read_text())["rows"])
     for path in args.train:
         checks += train_goals(json.loads(path.read_text())["results"])
     print(markdown(checks))

@@ -63,3 +63,22 @@ def test_train_goals_and_the_command_line(tmp_path: Path) -> None:
     assert "| dca(C=8192,w=1024) 131072 16/16 speed vs cuDNN | failed to run |" in out
     assert "3 of 6 goals hold." in out
     assert len(json.loads((tmp_path / "goals.json").read_text())) == 6
+
+
+def test_back_to_back_rows_are_checked_against_cudnn_timed_alike(tmp_path: Path) -> None:
+    """A --back-to-back file's DCA rows are compared with its own cuDNN rows, under their own
+    label; both files go on one command line."""
+    queued = [dict(_attention_row("sdpa_cudnn", 8192, 16, 1.8, 190.0), back_to_back=20),
+              dict(_attention_row("dca(C=2048,w=256)", 8192, 16, 1.9, 550.0), back_to_back=20)]
+    checks = {c["goal"]: c for c in perf_goals.attention_goals(ROWS + queued)}
+    b2b = checks["dca(C=2048,w=256) 8192 16/16 back to back (x20) speed vs cuDNN"]
+    assert abs(b2b["value"] - 1.8 / 1.9) < 1e-12 and b2b["holds"]
+    synced = checks["dca(C=2048,w=256) 8192 16/16 speed vs cuDNN"]
+    assert synced["value"] == 0.5  # against the synced cuDNN row (2.0 ms), not the queued one
+    (tmp_path / "a.json").write_text(json.dumps({"meta": {}, "rows": ROWS}))
+    (tmp_path / "b.json").write_text(json.dumps({"meta": {}, "rows": queued}))
+    out = subprocess.run([sys.executable, "bench/perf_goals.py", "--attention",
+                          str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "| dca(C=2048,w=256) 8192 16/16 back to back (x20) speed vs cuDNN | 0.947 |" in out
+    assert "3 of 5 goals hold." in out

@@ -1,0 +1,49 @@
+"""bench/attention.py's timing loop, with a fake CUDA event clock (the GPU part runs on the
+device): per-call times over back-to-back samples, warm-up excluded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import attention
+
+
+class _Clock:
+    """Milliseconds that each call of `step` advances; events read them when recorded."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls = 0
+
+    def step(self) -> None:
+        self.calls += 1
+        self.now += 2.0 if self.calls == 1 else 3.0  # the first (warm-up) call is slower
+
+
+def _fake_event(clock: _Clock) -> type:
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.t = None
+
+        def record(self) -> None:
+            self.t = clock.now
+
+        def synchronize(self) -> None:
+            assert self.t is not None
+
+        def elapsed_time(self, end: Event) -> float:
+            return end.t - self.t
+
+    return Event
+
+
+@pytest.mark.parametrize("back_to_back", [1, 4])
+def test_times_are_per_call_and_exclude_warm_up(back_to_back: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
+    times = attention.time_ms(clock.step, warmup=1, repeats=5, back_to_back=back_to_back)
+    assert times == [3.0] * 5
+    assert clock.calls == 1 + 5 * back_to_back
