@@ -78,16 +78,18 @@ class _Plan:
             q_rot.mul_(self.q_scale[:, None, :, None, None])  # [parts, 1, s, 1, 1]
         return q_rot, self.rotate_k(k)
 
-    def rotate_q(self, q: torch.Tensor, part: int) -> torch.Tensor:
-        """q rotated for one part [b, s, hq, d] (times that part's logit factors, if any)."""
-        q_rot = rotate_multi(q, self.positions[part:part + 1], self.cos, self.sin)[0]
+    def rotate_q(self, q: torch.Tensor, part: int, rows: slice = slice(None)) -> torch.Tensor:
+        """q [b, s', hq, d] holding sequence rows `rows` (default all), rotated for one part
+        (times that part's logit factors, if any): a contiguous [b, s', hq, d]."""
+        q_rot = rotate_multi(q, self.positions[part:part + 1, rows], self.cos, self.sin)[0]
         if self.q_scale is not None:
-            q_rot.mul_(self.q_scale[part, None, :, None, None])  # [1, s, 1, 1]
+            q_rot.mul_(self.q_scale[part, rows, None, None])  # [s', 1, 1]
         return q_rot
 
-    def rotate_k(self, k: torch.Tensor) -> torch.Tensor:
-        """k rotated to its in-chunk offset r [b, s, hk, d] (the same for every part)."""
-        return rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
+    def rotate_k(self, k: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """k [b, s', hk, d] holding sequence rows `rows` (default all), rotated to its in-chunk
+        offset r (the same for every part): a contiguous [b, s', hk, d]."""
+        return rotate_multi(k, self.positions[:1, rows], self.cos, self.sin)[0]
 
 
 @functools.lru_cache(maxsize=16)

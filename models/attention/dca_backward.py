@@ -35,7 +35,7 @@ from models.attention.dca_calls import (
     document_calls,
 )
 from models.attention.lse_attention import attention_backward
-from models.attention.rope import rotate_multi, rotate_transpose_sum
+from models.attention.rope import rotate_transpose_sum
 
 if TYPE_CHECKING:
     from models.attention.dca import _Plan
@@ -46,8 +46,10 @@ MIN_ROWS_PER_CALL = 8192
 
 
 class _Document(NamedTuple):
-    """One document's tensors: [n, h, d] views (dq, dk, dv written in place), lse [hq, n],
-    positions and q_scale [parts, n] (q_scale None: no length scaling)."""
+    """One document (its first row `start` in the sequence, `n` tokens): [n, h, d] views (dq, dk,
+    dv written in place), lse [hq, n], positions and q_scale [parts, n] (q_scale None: no
+    length scaling)."""
+    start: int
     n: int
     q: torch.Tensor  # unrotated
     k: torch.Tensor  # unrotated
@@ -75,7 +77,7 @@ def dca_backward(plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor, v:
     budget = rows_per_call(q.shape[0] * q.shape[1])
     for b, start, n in plan.docs:
         rows = slice(start, start + n)
-        doc = _Document(n, q[b, rows], k[b, rows], v[b, rows], out[b, rows], dout[b, rows],
+        doc = _Document(start, n, q[b, rows], k[b, rows], v[b, rows], out[b, rows], dout[b, rows],
                         lse[b, :, rows], plan.positions[:, rows],
                         None if plan.q_scale is None else plan.q_scale[:, rows],
                         dq[b, rows], dk[b, rows], dv[b, rows])
@@ -90,22 +92,15 @@ def dca_backward(plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def _rotated_q(plan: _Plan, doc: _Document, part: int, start: int, count: int) -> torch.Tensor:
-    """Rows [start, start + count) of the document's q rotated for `part` (times the part's
-    logit factors, if any): a contiguous [count, hq, d]."""
-    rows = slice(start, start + count)
-    q_rot = rotate_multi(doc.q[None, rows], doc.positions[part:part + 1, rows], plan.cos,
-                         plan.sin)[0, 0]
-    if doc.q_scale is not None:
-        q_rot.mul_(doc.q_scale[part, rows, None, None])
-    return q_rot
+    """Rows [start, start + count) of the document's q rotated for `part`: [count, hq, d]."""
+    rows = slice(doc.start + start, doc.start + start + count)  # in the sequence
+    return plan.rotate_q(doc.q[None, start:start + count], part, rows)[0]
 
 
 def _rotated_k(plan: _Plan, doc: _Document, start: int, count: int) -> torch.Tensor:
-    """Rows [start, start + count) of the document's k rotated to their in-chunk offsets (the
-    same in every part): a contiguous [count, hk, d]."""
-    rows = slice(start, start + count)
-    return rotate_multi(doc.k[None, rows], doc.positions[INTRA:INTRA + 1, rows], plan.cos,
-                        plan.sin)[0, 0]
+    """Rows [start, start + count) of the document's k rotated as keys: [count, hk, d]."""
+    rows = slice(doc.start + start, doc.start + start + count)
+    return plan.rotate_k(doc.k[None, start:start + count], rows)[0]
 
 
 def _kernel_backward(call: Call, q_rot: torch.Tensor, k_rot: torch.Tensor, doc: _Document,

@@ -15,7 +15,12 @@ from models.attention.dca import dual_chunk_attention
 from models.attention.dca_calls import Call, bounded
 from models.attention.dca_scaling import DCAScaling
 from tests.models.test_dca import assert_matches_reference, grads, make_qkv
-from tests.models.test_dca_scaling import check, log_factor, part_factors
+from tests.models.test_dca_scaling import (
+    check,
+    log_factor,
+    part_factors,
+    test_packed_documents_scale_by_their_own_position_and_length,
+)
 
 CHUNK, LOCAL, SEQ = 10, 3, 52  # L = 7: 7 chunks and a tail of 3
 LENGTH = CHUNK - LOCAL
@@ -65,6 +70,8 @@ def test_bounded_calls_with_length_scaling(monkeypatch: pytest.MonkeyPatch) -> N
     check(DCAScaling("log", "succ_inter", attn_scale=0.3, floor_scale=6),
           part_factors([log_factor(p, 0.3, 6) for p in range(SEQ)], "succ_inter"), SEQ, CHUNK,
           LOCAL, hq=6, hk=2)
+    # packed: each document's factors, read at its own rows of the sequence
+    test_packed_documents_scale_by_their_own_position_and_length()
 
 
 @pytest.mark.parametrize(("hq", "hk"), [(2, 2), (6, 2)])
