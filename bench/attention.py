@@ -183,22 +183,27 @@ def profile(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
                      for key in ("self_cuda_time_total", "self_cpu_time_total"))
 
 
+def add_variant_args(parser: argparse.ArgumentParser) -> None:
+    """The shape and the variants' settings REGISTRY's builders read."""
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dca-chunk", type=int, default=8192)
+    parser.add_argument("--dca-local", type=int, default=1024)
+    parser.add_argument("--dca-small-chunk", type=int, default=2048)
+    parser.add_argument("--chunked-size", type=int, default=8192)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="8192,32768,131072")
     parser.add_argument("--variants", default=",".join(REGISTRY))
-    parser.add_argument("--heads", type=int, default=16)
+    add_variant_args(parser)
     parser.add_argument("--kv-heads", default="16,4", help="one row set per KV head count")
-    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--back-to-back", type=int, default=1,
                         help="calls per timed sample (1: synchronised after each call, host "
                         "time included; more: queued back to back, as inside a model)")
-    parser.add_argument("--dca-chunk", type=int, default=8192)
-    parser.add_argument("--dca-local", type=int, default=1024)
-    parser.add_argument("--dca-small-chunk", type=int, default=2048)
-    parser.add_argument("--chunked-size", type=int, default=8192)
     parser.add_argument("--profile", default="", help="variant name: print its top kernels")
     parser.add_argument("--profile-seq", type=int, default=32768)
     parser.add_argument("--trace", default="", help="write the profile's Chrome trace here")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.attention import REGISTRY
+from bench.attention import REGISTRY, add_variant_args
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -26,14 +26,9 @@ REPO = str(Path(__file__).resolve().parents[1])
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, nargs="+", default=[32768])
-    p.add_argument("--heads", type=int, default=16)
+    add_variant_args(p)
     p.add_argument("--kv-heads", type=int, nargs="+", default=[16, 4])
-    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--variants", default="sdpa_cudnn,dca")
-    p.add_argument("--dca-chunk", type=int, default=8192)
-    p.add_argument("--dca-local", type=int, default=1024)
-    p.add_argument("--dca-small-chunk", type=int, default=2048)
-    p.add_argument("--chunked-size", type=int, default=8192)
     p.add_argument("--top", type=int, default=12, help="breakdown lines per measurement")
     p.add_argument("--out", type=Path)
     return p.parse_args(argv)
