@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,19 @@ def time_ms(step: Callable[[], object], warmup: int, repeats: int,
     return times
 
 
+def host_time_ms(step: Callable[[], object], repeats: int = 3) -> float:
+    """Median milliseconds the host takes to issue `step` (no synchronisation inside the
+    sample): below the GPU time when the host can run ahead, equal to it when `step` waits for
+    the GPU somewhere."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
             args: argparse.Namespace) -> dict[str, object]:
     q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -130,6 +144,7 @@ def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
     fwd_times = time_ms(forward, args.warmup, args.repeats, args.back_to_back)
     fwd_bwd_times = time_ms(forward_backward, args.warmup, args.repeats, args.back_to_back)
     fwd, fwd_bwd = statistics.median(fwd_times), statistics.median(fwd_bwd_times)
+    host_ms = host_time_ms(forward_backward)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -138,7 +153,7 @@ def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
     flops = variant.flops_fwd(1, heads, seq, dim)
     return {"variant": variant.name, "seq": seq, "heads": heads, "kv_heads": kv_heads,
             "head_dim": dim, "back_to_back": args.back_to_back, "fwd_ms": fwd,
-            "fwd_bwd_ms": fwd_bwd,
+            "fwd_bwd_ms": fwd_bwd, "fwd_bwd_host_ms": host_ms,
             "fwd_min_ms": min(fwd_times), "fwd_bwd_min_ms": min(fwd_bwd_times),
             "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
             "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
@@ -163,9 +178,28 @@ def markdown(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def gpu_timeline(events: list[tuple[float, float, str]], gaps: int = 6) -> str:
+    """One line on a profile's GPU activity, (start, end, name) in microseconds: kernels, busy
+    time (their union) against the span from first start to last end, and the largest idle
+    gaps with the kernel each one ended in (where the GPU waited for the host)."""
+    events = sorted(events)
+    busy, end, idle = 0.0, events[0][0], []
+    for start, stop, name in events:
+        if start > end:
+            idle.append((start - end, name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - events[0][0]
+    worst = ", ".join(f"{gap:.0f} us before {name[:40]}" for gap, name in sorted(idle)[::-1][:gaps])
+    return (f"GPU: {len(events)} kernels, busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms "
+            f"({busy / span:.0%}); {len(idle)} idle gaps, {sum(g for g, _ in idle) / 1e3:.2f} ms "
+            f"in all; largest: {worst or 'none'}")
+
+
 def profile(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
             trace: str = "") -> str:
-    """Top CUDA kernels and CPU ops of one forward+backward (where the time goes)."""
+    """Top CUDA kernels and CPU ops of one forward+backward (where the time goes), after a
+    line on the GPU's busy and idle time."""
     q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for h in (heads, kv_heads, kv_heads))
     dout = torch.randn_like(q)
@@ -178,9 +212,12 @@ def profile(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages()
-    return "\n".join(table.table(sort_by=key, row_limit=12, max_name_column_width=60)
-                     for key in ("self_cuda_time_total", "self_cpu_time_total"))
+    tables = (table.table(sort_by=key, row_limit=12, max_name_column_width=60)
+              for key in ("self_cuda_time_total", "self_cpu_time_total"))
+    return "\n".join([gpu_timeline(kernels), *tables])
 
 
 def add_variant_args(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +243,7 @@ def main() -> None:
                         "time included; more: queued back to back, as inside a model)")
     parser.add_argument("--profile", default="", help="variant name: print its top kernels")
     parser.add_argument("--profile-seq", type=int, default=32768)
+    parser.add_argument("--profile-kv-heads", type=int, default=16)
     parser.add_argument("--trace", default="", help="write the profile's Chrome trace here")
     parser.add_argument("--out", default="", help="write all rows as JSON here")
     args = parser.parse_args()
@@ -239,9 +277,9 @@ def main() -> None:
               sorted(map(str, lse_attention.REFUSED)))
     if args.profile:
         chosen = next(v for v in variants if v.name.startswith(args.profile))
-        print(f"\n{chosen.name} at {args.profile_seq}, fwd+bwd:\n"
-              + profile(chosen, args.profile_seq, args.heads, args.heads, args.head_dim,
-                        args.trace))
+        print(f"\n{chosen.name} at {args.profile_seq}, {args.heads}/{args.profile_kv_heads} "
+              "heads, fwd+bwd:\n" + profile(chosen, args.profile_seq, args.heads,
+                                            args.profile_kv_heads, args.head_dim, args.trace))
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cudnn": torch.backends.cudnn.version(), "argv": sys.argv}

@@ -47,3 +47,11 @@ def test_times_are_per_call_and_exclude_warm_up(back_to_back: int,
     times = attention.time_ms(clock.step, warmup=1, repeats=5, back_to_back=back_to_back)
     assert times == [3.0] * 5
     assert clock.calls == 1 + 5 * back_to_back
+
+
+def test_gpu_timeline_counts_overlap_once_and_names_the_gaps() -> None:
+    # Two overlapping kernels (0-10, 5-12), then a 30 us gap before "b", a 3 us gap before "c".
+    line = attention.gpu_timeline([(42.0, 50.0, "b"), (0.0, 10.0, "a"), (5.0, 12.0, "a2"),
+                                   (53.0, 60.0, "c")])
+    assert line.startswith("GPU: 4 kernels, busy 0.03 ms of 0.06 ms (45%); 2 idle gaps, 0.03 ms")
+    assert line.endswith("largest: 30 us before b, 3 us before c")
