@@ -8,14 +8,16 @@ RoPE slicing use the same layout). Under a causal mask every rank then does the 
 Calls. An attention kind describes itself by a `CPPlan`: for a query rank `dst` and a KV source
 rank `src`, the dense kernel `Call`s (query rows of dst x key rows of src, full or causal, and
 which rotated copy of the query to use). Every call runs `attention_forward`, returning (out,
-lse); results merge by LSE online in fp32, and the backward runs every call's
-`attention_backward` with the *merged* out and lse (the global-LSE recipe of lse_attention.py),
-so each call's dq, dk, dv are exact and simply add up.
+lse); results merge by LSE online into a float32 output (one fused pass per call,
+`merge_partials`), and the backward runs every call's `attention_backward` with the *merged* out
+and lse (the global-LSE recipe of lse_attention.py), so each call's dq, dk, dv are exact and
+simply add up: dq into one float32 buffer through the call's rotation's transpose (one fused
+pass per call, `CPPlan.add_dq`), dk and dv into float32 accumulators of the key rows.
 
 Exchange, chosen by the plan:
   ring    the KV block (k and v, one message) travels rank r -> r+1 for N-1 steps, so at step t
-          rank r holds the KV of r-t; in backward the KV travels again together with an fp32
-          dk/dv accumulator that every rank adds to, and one last hop brings it home.
+          rank r holds the KV of r-t; in backward the KV travels again, and each step's fp32
+          dk/dv partial for r-t goes straight back to r-t while the next step computes.
           For attention that needs (nearly) every earlier key: standard causal and DCA.
   direct  each rank sends straight to each other rank only the key rows that rank's calls read
           (a contiguous row span), nothing when it reads none; the few rows received are kept
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from models.attention.lse_attention import attention_backward, attention_forward
+from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
 from models.recompute import keep_attention, kept_attention
 
 
@@ -79,7 +81,7 @@ class Call(NamedTuple):
 class CPPlan:
     """What an attention kind computes under CP. Subclasses implement `calls` and may set
     `mode`; kinds that rotate q/k themselves (DCA: one rotated q per part) override
-    rotate/unrotate."""
+    rotate, add_dq and unrotate_k."""
 
     mode = "ring"  # "ring" | "direct"
 
@@ -93,10 +95,14 @@ class CPPlan:
         """q [b, s, hq, d] -> [parts, b, s, hq, d] and k -> [b, s, hk, d], both contiguous."""
         return q.contiguous().unsqueeze(0), k.contiguous()
 
-    def unrotate(self, dq_parts: torch.Tensor, dk: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients w.r.t. the rotated tensors (fp32) -> w.r.t. q and k, in `dtype`."""
-        return dq_parts[0].to(dtype), dk.to(dtype)
+    def add_dq(self, dq: torch.Tensor, part: int, q0: int, grad: torch.Tensor) -> None:
+        """dq [rows, hq, d] (float32 rows q0.. of one sequence) += the gradient of rotated copy
+        `part` of those rows, taken back to q (here: no rotation)."""
+        dq.add_(grad)
+
+    def unrotate_k(self, dk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """dk w.r.t. the rotated keys [b, s, hk, d] (float32) -> w.r.t. k, in `dtype`."""
+        return dk.to(dtype)
 
 
 def coalesce(calls: list[Call]) -> list[Call]:
@@ -190,18 +196,18 @@ class _CPAttention(torch.autograd.Function):
         q_parts, k_rot = plan.rotate(q, k)
         kv = torch.stack([k_rot, v])
         acc_dtype = lse.dtype
-        dq_parts = torch.zeros(q_parts.shape, dtype=acc_dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # [b, s, hq, d] w.r.t. q
         dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)  # this rank's own K/V
-        args = _BackwardArgs(_heads_major(q_parts), _heads_major(dout.contiguous()),
-                             _heads_major(out), lse, _heads_major(dq_parts), ctx.scale)
+        args = _BackwardArgs(plan, _heads_major(q_parts), _heads_major(dout.contiguous()),
+                             _heads_major(out), lse, dq, ctx.scale)
         if plan.mode == "ring":
             _ring_backward(plan, kv, dkv, args, ctx.group)
         else:
             _direct_backward(plan, kv, dkv, args, ctx.group,
                              [(src, lo, rows) for (src, (lo, _)), rows in zip(_incoming(plan),
                                                                               received)])
-        dq, dk = plan.unrotate(dq_parts, dkv[0], q.dtype)
-        return dq, dk, dkv[1].to(v.dtype), None, None, None
+        return (dq.to(q.dtype), plan.unrotate_k(dkv[0], k.dtype), dkv[1].to(v.dtype), None,
+                None, None)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
@@ -214,7 +220,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
     kv = torch.stack([k_rot, v])  # [2, b, s, hk, d]: one message per exchange
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, seq, heads, dim = q.shape
-    acc = torch.zeros(batch, heads, seq, dim, dtype=acc_dtype, device=q.device)  # [b, h, s, d]
+    # Rows start at out 0, lse -inf: a row's first merge takes its partial as it is.
+    acc = torch.zeros(batch, seq, heads, dim, dtype=acc_dtype, device=q.device)  # [b, s, h, d]
     lse = torch.full((batch, heads, seq), float("-inf"), dtype=acc_dtype, device=q.device)
     q_views = _heads_major(q_parts)  # [parts, b, hq, s, d]
     received: list[torch.Tensor] = []
@@ -231,34 +238,35 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
                 causal=c.causal, scale=scale)
             _merge(acc, lse, c.q0, c.q1, part_out, part_lse)
     # [b, s, hq, d] contiguous: the layout of q_parts[p], as the kernel backwards require.
-    return acc.transpose(1, 2).to(q.dtype).contiguous(), lse, received
+    return acc.to(q.dtype), lse, received
 
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, q0: int, q1: int, out: torch.Tensor,
            out_lse: torch.Tensor) -> None:
     """Fold one call's (out [b, h, m, d], lse [b, h, m]) into rows [q0, q1) of the running
-    result, in the accumulators' precision. Rows start at lse -inf, out 0."""
-    old = lse[:, :, q0:q1]
-    new = torch.logaddexp(old, out_lse.to(lse.dtype))
-    acc[:, :, q0:q1].mul_((old - new).exp().unsqueeze(-1)).add_(
-        out.to(acc.dtype) * (out_lse - new).exp().unsqueeze(-1))
-    lse[:, :, q0:q1] = new
+    result (acc [b, s, h, d], lse [b, h, s]) in place, in the accumulators' precision."""
+    for b in range(acc.shape[0]):
+        rows, row_lse = acc[b, q0:q1], lse[b, :, q0:q1]  # [m, h, d], [h, m]
+        merge_partials([rows, out[b].transpose(0, 1)], [row_lse, out_lse[b]], rows, row_lse)
 
 
 class _BackwardArgs(NamedTuple):
-    """What every call's backward reads: [parts|-, b, h, s, d] head-major views."""
+    """What every call's backward reads ([parts|-, b, h, s, d] head-major views) and the float32
+    dq it adds to ([b, s, hq, d], w.r.t. the unrotated q)."""
+    plan: CPPlan
     q: torch.Tensor
     dout: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor  # [b, hq, s]
-    dq: torch.Tensor  # accumulator, [parts, b, hq, s, d]
+    dq: torch.Tensor
     scale: float
 
 
 def _calls_backward(args: _BackwardArgs, calls: list[Call], block: torch.Tensor,
                     dblock: torch.Tensor, offset: int) -> None:
     """Run the calls' kernel backwards against a KV block [2, b, rows, hk, d]; dq adds into
-    args.dq, dk/dv into dblock (same shape as block, fp32). Rows of the block start at `offset`."""
+    args.dq (through the plan's rotation), dk/dv into dblock (same shape as block, fp32). Rows of
+    the block start at `offset`."""
     kb, vb = _heads_major(block)
     dk, dv = _heads_major(dblock)
     for c in calls:
@@ -267,27 +275,44 @@ def _calls_backward(args: _BackwardArgs, calls: list[Call], block: torch.Tensor,
             args.dout[:, :, c.q0:c.q1], args.q[c.part][:, :, c.q0:c.q1], kb[:, :, keys],
             vb[:, :, keys], args.out[:, :, c.q0:c.q1], args.lse[:, :, c.q0:c.q1].contiguous(),
             causal=c.causal, scale=args.scale)
-        args.dq[c.part][:, :, c.q0:c.q1] += dq_c
+        for b in range(dq_c.shape[0]):
+            args.plan.add_dq(args.dq[b, c.q0:c.q1], c.part, c.q0, dq_c[b].transpose(0, 1))
         dk[:, :, keys] += dk_c
         dv[:, :, keys] += dv_c
 
 
 def _ring_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _BackwardArgs,
                    group: dist.ProcessGroup) -> None:
-    """At step t rank r holds src = r-t's KV and the dk/dv accumulator for it; it adds its part
-    and passes both to r+1. After the last step the accumulator r+1 holds is r+1's own, so one
-    more hop in the same direction brings every accumulator home (into `dkv`)."""
+    """At step t rank r holds src = r-t's KV. Step 0's dk/dv (its own keys) go into `dkv`; each
+    later step's go into a fresh partial that is sent to src (and the partial of rank r+t for
+    r's keys received) while the next step computes; it is added into `dkv` one step later.
+    Nothing waits on a gradient hop until the last step."""
     n, r = plan.layout.size, plan.layout.rank
-    current, acc = kv, torch.zeros_like(dkv)
+    current, in_flight = kv, None
     for t in range(n):
         works, incoming = [], None
         if t < n - 1:  # the KV moves on while this step computes
             incoming = torch.empty_like(current)
             works = _p2p([(current, (r + 1) % n)], [(incoming, (r - 1) % n)], group)
-        _calls_backward(args, plan.calls(r, (r - t) % n), current, acc, 0)
-        arrived = dkv if t == n - 1 else torch.empty_like(acc)
-        _wait(works + _p2p([(acc, (r + 1) % n)], [(arrived, (r - 1) % n)], group, tag=1))
-        current, acc = incoming, arrived
+        partial = dkv if t == 0 else torch.zeros_like(dkv)
+        _calls_backward(args, plan.calls(r, (r - t) % n), current, partial, 0)
+        _add_arrived(dkv, in_flight)
+        if t > 0:  # the sent partial stays referenced until its send is waited on
+            arrived = torch.empty_like(dkv)
+            in_flight = (arrived, partial, _p2p([(partial, (r - t) % n)],
+                                                [(arrived, (r + t) % n)], group, tag=1))
+        _wait(works)
+        current = incoming
+    _add_arrived(dkv, in_flight)
+
+
+def _add_arrived(dkv: torch.Tensor,
+                 in_flight: tuple[torch.Tensor, torch.Tensor, list] | None) -> None:
+    """Wait for the partial exchange in flight (received, sent, works) and add what arrived."""
+    if in_flight is not None:
+        arrived, _, works = in_flight
+        _wait(works)
+        dkv += arrived
 
 
 def _incoming(plan: CPPlan) -> list[tuple[int, tuple[int, int]]]:

@@ -126,17 +126,18 @@ class DCAPlan(CPPlan):
             q_rot.mul_(self.q_scale[:, None, :, None, None])
         return q_rot, rotate_multi(k, self.positions[:1], self.cos, self.sin)[0]
 
-    def unrotate(self, dq_parts: torch.Tensor, dk: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_dq(self, dq: torch.Tensor, part: int, q0: int, grad: torch.Tensor) -> None:
+        rows = slice(q0, q0 + grad.shape[0])
         if self.q_scale is not None:  # the rotated queries carried the factors
-            dq_parts = dq_parts * self.q_scale[:, None, :, None, None]
-        dq = torch.empty(dq_parts.shape[1:], dtype=dtype, device=dq_parts.device)
+            grad = grad * self.q_scale[part, rows, None, None]
+        rotate_transpose_sum([grad], [self.positions[part, rows]], self.cos, self.sin, dq,
+                             accumulate=True)
+
+    def unrotate_k(self, dk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         dk_out = torch.empty(dk.shape, dtype=dtype, device=dk.device)
-        for b in range(dq.shape[0]):  # [s, h, d] per sequence
-            rotate_transpose_sum(list(dq_parts[:, b]), list(self.positions), self.cos, self.sin,
-                                 dq[b])
+        for b in range(dk.shape[0]):  # [s, h, d] per sequence
             rotate_transpose_sum([dk[b]], [self.positions[0]], self.cos, self.sin, dk_out[b])
-        return dq, dk_out
+        return dk_out
 
 
 @functools.lru_cache(maxsize=16)
