@@ -68,7 +68,9 @@ class Layout:
 
 class Call(NamedTuple):
     """One dense kernel call: query rows [q0, q1) of the query rank (rotated copy `part`)
-    against key rows [k0, k1) of the source rank; `causal` only for the same global rows."""
+    against key rows [k0, k1) of the source rank; `causal` only for the same global rows.
+    With `blocks` > 1 both ranges are that many equal blocks, block j of the queries against
+    block j of the keys, run as one kernel call with the blocks in its batch dimension."""
 
     part: int
     q0: int
@@ -76,6 +78,7 @@ class Call(NamedTuple):
     k0: int
     k1: int
     causal: bool
+    blocks: int = 1
 
 
 class CPPlan:
@@ -129,6 +132,23 @@ def _merge_adjacent(calls: list[Call], on_queries: bool) -> list[Call]:
     return merged
 
 
+def join_blocks(calls: list[Call]) -> list[Call]:
+    """Join calls of one part, kind and shape that follow each other on both axes (each call's
+    query and key rows start where the previous call's end) into one call over blocks: a
+    chunk-by-chunk causal diagonal or successive staircase becomes one kernel call."""
+    joined: list[Call] = []
+    for c in sorted(calls, key=lambda c: (c.part, c.causal, c.q1 - c.q0, c.k1 - c.k0, c.q0)):
+        last = joined[-1] if joined else None
+        if (last is not None and (last.part, last.causal) == (c.part, c.causal)
+                and (last.q1 - last.q0) // last.blocks == c.q1 - c.q0
+                and (last.k1 - last.k0) // last.blocks == c.k1 - c.k0
+                and (last.q1, last.k1) == (c.q0, c.k0)):
+            joined[-1] = last._replace(q1=c.q1, k1=c.k1, blocks=last.blocks + 1)
+        else:
+            joined.append(c)
+    return joined
+
+
 def key_span(plan: CPPlan, dst: int, src: int) -> tuple[int, int] | None:
     """The contiguous rows of src's KV covering every row dst's calls read, or None."""
     calls = plan.calls(dst, src)
@@ -150,9 +170,21 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _heads_major(x: torch.Tensor) -> torch.Tensor:
-    """[..., b, s, h, d] -> a [..., b, h, s, d] view: the kernels' layout, rows on dim -2."""
-    return x.transpose(-2, -3)
+def _kernel_view(x: torch.Tensor, start: int, stop: int, blocks: int) -> torch.Tensor:
+    """Rows [start, stop) of a token-major [b, s, h, d] as the kernels' head-major [b * blocks,
+    h, (stop - start) / blocks, d] (a view: callers pass b = 1 when blocks > 1)."""
+    return x[:, start:stop].unflatten(1, (blocks, -1)).flatten(0, 1).transpose(1, 2)
+
+
+def _token_rows(y: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A kernel's [b * blocks, h, rows, d] result as token-major [b, blocks * rows, h, d]."""
+    return y.transpose(1, 2).unflatten(0, (-1, blocks)).flatten(1, 2)
+
+
+def _entries(c: Call, batch: int) -> list[slice]:
+    """The batch entries one kernel call of `c` takes at a time: all of them, or one each
+    when the call's blocks fill the kernel's batch dimension."""
+    return [slice(None)] if c.blocks == 1 else [slice(i, i + 1) for i in range(batch)]
 
 
 def _ring_sources(kv: torch.Tensor, layout: Layout,
@@ -198,8 +230,7 @@ class _CPAttention(torch.autograd.Function):
         acc_dtype = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # [b, s, hq, d] w.r.t. q
         dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)  # this rank's own K/V
-        args = _BackwardArgs(plan, _heads_major(q_parts), _heads_major(dout.contiguous()),
-                             _heads_major(out), lse, dq, ctx.scale)
+        args = _BackwardArgs(plan, q_parts, dout.contiguous(), out, lse, dq, ctx.scale)
         if plan.mode == "ring":
             _ring_backward(plan, kv, dkv, args, ctx.group)
         else:
@@ -223,36 +254,38 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
     # Rows start at out 0, lse -inf: a row's first merge takes its partial as it is.
     acc = torch.zeros(batch, seq, heads, dim, dtype=acc_dtype, device=q.device)  # [b, s, h, d]
     lse = torch.full((batch, heads, seq), float("-inf"), dtype=acc_dtype, device=q.device)
-    q_views = _heads_major(q_parts)  # [parts, b, hq, s, d]
     received: list[torch.Tensor] = []
     if plan.mode == "ring":
         sources = _ring_sources(kv, layout, group)
     else:
         sources = _direct_sources(kv, plan, group, received)
     for src, block, offset in sources:
-        kb, vb = _heads_major(block)  # [b, hk, rows, d]
         for c in plan.calls(layout.rank, src):
-            keys = slice(c.k0 - offset, c.k1 - offset)
-            part_out, part_lse = attention_forward(
-                q_views[c.part][:, :, c.q0:c.q1], kb[:, :, keys], vb[:, :, keys],
-                causal=c.causal, scale=scale)
-            _merge(acc, lse, c.q0, c.q1, part_out, part_lse)
+            k0, k1 = c.k0 - offset, c.k1 - offset
+            for entries in _entries(c, batch):
+                part_out, part_lse = attention_forward(
+                    _kernel_view(q_parts[c.part, entries], c.q0, c.q1, c.blocks),
+                    _kernel_view(block[0, entries], k0, k1, c.blocks),
+                    _kernel_view(block[1, entries], k0, k1, c.blocks),
+                    causal=c.causal, scale=scale)  # [b' * blocks, h, rows, d], [.., h, rows]
+                _merge(acc[entries, c.q0:c.q1], lse[entries, :, c.q0:c.q1],
+                       _token_rows(part_out, c.blocks),
+                       part_lse.unflatten(0, (-1, c.blocks)).transpose(1, 2).flatten(2, 3))
     # [b, s, hq, d] contiguous: the layout of q_parts[p], as the kernel backwards require.
     return acc.to(q.dtype), lse, received
 
 
-def _merge(acc: torch.Tensor, lse: torch.Tensor, q0: int, q1: int, out: torch.Tensor,
+def _merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
            out_lse: torch.Tensor) -> None:
-    """Fold one call's (out [b, h, m, d], lse [b, h, m]) into rows [q0, q1) of the running
-    result (acc [b, s, h, d], lse [b, h, s]) in place, in the accumulators' precision."""
+    """Fold one call's (out [b, m, h, d], lse [b, h, m]) into the running result's rows (acc
+    [b, m, h, d], lse [b, h, m] views) in place, in the accumulators' precision."""
     for b in range(acc.shape[0]):
-        rows, row_lse = acc[b, q0:q1], lse[b, :, q0:q1]  # [m, h, d], [h, m]
-        merge_partials([rows, out[b].transpose(0, 1)], [row_lse, out_lse[b]], rows, row_lse)
+        merge_partials([acc[b], out[b]], [lse[b], out_lse[b]], acc[b], lse[b])
 
 
 class _BackwardArgs(NamedTuple):
-    """What every call's backward reads ([parts|-, b, h, s, d] head-major views) and the float32
-    dq it adds to ([b, s, hq, d], w.r.t. the unrotated q)."""
+    """What every call's backward reads (token-major [parts|-, b, s, h, d]) and the float32 dq
+    it adds to ([b, s, hq, d], w.r.t. the unrotated q)."""
     plan: CPPlan
     q: torch.Tensor
     dout: torch.Tensor
@@ -267,18 +300,23 @@ def _calls_backward(args: _BackwardArgs, calls: list[Call], block: torch.Tensor,
     """Run the calls' kernel backwards against a KV block [2, b, rows, hk, d]; dq adds into
     args.dq (through the plan's rotation), dk/dv into dblock (same shape as block, fp32). Rows of
     the block start at `offset`."""
-    kb, vb = _heads_major(block)
-    dk, dv = _heads_major(dblock)
+    batch = args.dq.shape[0]
     for c in calls:
-        keys = slice(c.k0 - offset, c.k1 - offset)
-        dq_c, dk_c, dv_c = attention_backward(
-            args.dout[:, :, c.q0:c.q1], args.q[c.part][:, :, c.q0:c.q1], kb[:, :, keys],
-            vb[:, :, keys], args.out[:, :, c.q0:c.q1], args.lse[:, :, c.q0:c.q1].contiguous(),
-            causal=c.causal, scale=args.scale)
-        for b in range(dq_c.shape[0]):
-            args.plan.add_dq(args.dq[b, c.q0:c.q1], c.part, c.q0, dq_c[b].transpose(0, 1))
-        dk[:, :, keys] += dk_c
-        dv[:, :, keys] += dv_c
+        k0, k1 = c.k0 - offset, c.k1 - offset
+        for entries in _entries(c, batch):
+            lse = args.lse[entries, :, c.q0:c.q1].unflatten(2, (c.blocks, -1))  # [b', h, bl, rows]
+            grads = attention_backward(
+                *(_kernel_view(x[entries], c.q0, c.q1, c.blocks)
+                  for x in (args.dout, args.q[c.part])),
+                *(_kernel_view(x[entries], k0, k1, c.blocks) for x in block),
+                _kernel_view(args.out[entries], c.q0, c.q1, c.blocks),
+                lse.transpose(1, 2).flatten(0, 1).contiguous(),  # [b' * blocks, h, rows]
+                causal=c.causal, scale=args.scale)
+            dq_c, dk_c, dv_c = (_token_rows(g, c.blocks) for g in grads)  # [b', rows', h, d]
+            for dq_rows, g in zip(args.dq[entries, c.q0:c.q1], dq_c):
+                args.plan.add_dq(dq_rows, c.part, c.q0, g)
+            dblock[0, entries, k0:k1] += dk_c
+            dblock[1, entries, k0:k1] += dv_c
 
 
 def _ring_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _BackwardArgs,

@@ -14,9 +14,11 @@ KV source rank in the load-balanced layout (rank r holds pieces r and 2N-1-r of 
             its global position. For every (query piece, key piece) pair, queries are cut by
             chunk: intra keys (same chunk; causal within one piece), successive keys (previous
             chunk) and inter keys (earlier chunks) each become a full call of the matching
-            rotated query, merged by LSE with all the rest of the row's softmax. A length-
-            dependent scaling (dca_scaling.py) scales each rotated query by its factor, from
-            its global position and the global sequence length.
+            rotated query, merged by LSE with all the rest of the row's softmax; the causal
+            diagonal and the successive staircase of consecutive chunks inside a piece run as
+            one call over blocks each (`join_blocks`). A length-dependent scaling
+            (dca_scaling.py) scales each rotated query by its factor, from its global position
+            and the global sequence length.
 
 Packed sequences (cu_seqlens) are not supported under CP (core.py raises).
 """
@@ -29,7 +31,14 @@ import torch
 import torch.distributed as dist
 
 from models.attention.chunked import chunked_attention
-from models.attention.context_parallel import Call, CPPlan, Layout, coalesce, cp_attention
+from models.attention.context_parallel import (
+    Call,
+    CPPlan,
+    Layout,
+    coalesce,
+    cp_attention,
+    join_blocks,
+)
 from models.attention.dca import _check_qkv, _check_sizes
 from models.attention.dca_calls import INTER, INTRA, SUCCESSIVE
 from models.attention.dca_scaling import DCAScaling, query_factors
@@ -53,7 +62,14 @@ class StandardPlan(CPPlan):
 @functools.lru_cache(maxsize=256)
 def _chunk_calls(layout: Layout, dst: int, src: int, length: int, dca: bool) -> list[Call]:
     """Calls of query rank dst against source rank src for chunks of `length` tokens: the
-    intra-chunk part only (chunked attention) or also successive and inter (DCA)."""
+    intra-chunk part only (chunked attention) or also successive and inter (DCA); chunk after
+    chunk diagonals and staircases joined into calls over blocks."""
+    return join_blocks(chunk_rectangles(layout, dst, src, length, dca))
+
+
+def chunk_rectangles(layout: Layout, dst: int, src: int, length: int, dca: bool) -> list[Call]:
+    """`_chunk_calls` before joining: one call per query chunk and part (full calls that tile a
+    larger rectangle coalesced)."""
     p = layout.piece_len
     calls = []
     for qa, q_off in zip(layout.pieces(dst), (0, p)):

@@ -22,8 +22,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
+from models.attention.context_parallel import Call as CPCall
+from models.attention.context_parallel import Layout, join_blocks
 from models.attention.core import CausalCoreAttention
 from models.attention.cp_variants import (
+    chunk_rectangles,
     cp_causal_attention,
     cp_chunked_attention,
     cp_dual_chunk_attention,
@@ -283,6 +286,44 @@ def test_cp_training_matches_cp1(cp_results, cp1_metrics, run: tuple) -> None:
         assert row["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def _pairs(calls: list[CPCall]) -> set[tuple[int, int, int]]:
+    """Every (part, query row, key row) the calls compute, block by block."""
+    pairs = set()
+    for c in calls:
+        rows, keys = (c.q1 - c.q0) // c.blocks, (c.k1 - c.k0) // c.blocks
+        for j in range(c.blocks):
+            for i in range(rows):
+                for k in range(keys):
+                    if not c.causal or k <= i:
+                        pairs.add((c.part, c.q0 + j * rows + i, c.k0 + j * keys + k))
+    return pairs
+
+
+@pytest.mark.parametrize("n, length", [(2, 5), (2, 12), (4, 5), (4, 12), (2, 7)])
+def test_joined_blocks_compute_the_same_pairs_in_fewer_calls(n: int, length: int) -> None:
+    joined_any = False
+    for rank in range(n):
+        layout = Layout(n, rank, 96 // n)
+        for src in range(n):
+            separate = chunk_rectangles(layout, rank, src, length, True)
+            joined = join_blocks(separate)
+            assert _pairs(joined) == _pairs(separate)
+            assert sum(c.blocks for c in joined) == len(separate)
+            joined_any |= len(joined) < len(separate)
+            for c in joined:  # equal blocks on both axes
+                assert (c.q1 - c.q0) % c.blocks == 0 and (c.k1 - c.k0) % c.blocks == 0
+    assert joined_any
+
+
+def test_join_blocks_needs_both_axes_to_continue() -> None:
+    stairs = [CPCall(1, 8, 12, 4, 8, False), CPCall(1, 12, 16, 8, 12, False)]
+    assert join_blocks(stairs) == [CPCall(1, 8, 16, 4, 12, False, blocks=2)]
+    same_keys = [CPCall(2, 8, 12, 0, 4, False), CPCall(2, 12, 16, 0, 4, False)]
+    assert join_blocks(same_keys) == same_keys  # coalesce's case (one taller call), not blocks
+    other_kind = [CPCall(0, 0, 4, 0, 4, True), CPCall(1, 4, 8, 4, 8, False)]
+    assert join_blocks(other_kind) == other_kind
 
 
 def test_seq_length_must_split_into_2cp_pieces(tmp_path: Path) -> None:
