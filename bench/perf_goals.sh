@@ -10,15 +10,18 @@ set -euo pipefail
 OUT=${OUT:?set OUT to the output directory}
 PYTHON=${PYTHON:-python}
 mkdir -p "$OUT"
-"$PYTHON" -m bench.attention --seqs 8192,32768,131072 --repeats 10 --warmup 3 \
-  --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1
-"$PYTHON" -m bench.attention --seqs 8192 --variants sdpa_cudnn,dca,dca_small --back-to-back 20 \
-  --repeats 10 --warmup 3 --out "$OUT/attention_b2b.json" > "$OUT/attention_b2b.log" 2>&1
-"$PYTHON" -m bench.attention_memory --seq 32768 131072 --out "$OUT/memory.json" \
-  > "$OUT/memory.log" 2>&1
-"$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca --seqs 32768 131072 \
+# One log for every step (the device returns a limited number of files per run).
+log="$OUT/run.log"
+: > "$log"
+step() { echo "== $*" >> "$log"; "$@" >> "$log" 2>&1; }
+step "$PYTHON" -m bench.attention --seqs 8192,32768,131072 --repeats 10 --warmup 3 \
+  --out "$OUT/attention.json"
+step "$PYTHON" -m bench.attention --seqs 8192 --variants sdpa_cudnn,dca,dca_small --back-to-back 20 \
+  --repeats 10 --warmup 3 --out "$OUT/attention_b2b.json"
+step "$PYTHON" -m bench.attention_memory --seq 32768 131072 --out "$OUT/memory.json"
+step "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca --seqs 32768 131072 \
   --steps 8 --warmup 3 --steps-for 131072:5:2 \
   --set trainer.fused_norm=true trainer.fused_rope=true \
-  --set-for 131072 trainer.recompute=full --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+  --set-for 131072 trainer.recompute=full --out "$OUT/train.json"
 "$PYTHON" bench/perf_goals.py --attention "$OUT/attention.json" "$OUT/attention_b2b.json" \
   --train "$OUT/train.json" --out "$OUT/goals.json" | tee "$OUT/goals.md"
