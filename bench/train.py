@@ -277,7 +277,12 @@ def main() -> None:
                         case["error"] = ("OOM" if isinstance(exc, torch.OutOfMemoryError)
                                          else f"{type(exc).__name__}: {str(exc)[:200]}")
                         rows = []
-                    if RANK:
+                    if RANK:  # every rank profiles; the others print one line (imbalance)
+                        for prof in profiles:
+                            print(f"rank {RANK} profile: GPU busy {prof['gpu_busy_ms']:.1f} ms, "
+                                  + ", ".join(f"{cat} {ms:.1f}"
+                                              for cat, ms in prof["categories"].items()),
+                                  flush=True)
                         continue
                     if rows:
                         case.update(summarize(rows, warmup, bool(profiles)))
