@@ -6,13 +6,14 @@ rank r holds pieces r and 2N-1-r, in that order (megatron's `get_batch_on_this_c
 RoPE slicing use the same layout). Under a causal mask every rank then does the same work.
 
 Calls. An attention kind describes itself by a `CPPlan`: for a query rank `dst` and a KV source
-rank `src`, the dense kernel `Call`s (query rows of dst x key rows of src, full or causal, and
-which rotated copy of the query to use). Every call runs `attention_forward`, returning (out,
-lse); results merge by LSE online into a float32 output (one fused pass per call,
-`merge_partials`), and the backward runs every call's `attention_backward` with the *merged* out
-and lse (the global-LSE recipe of lse_attention.py), so each call's dq, dk, dv are exact and
-simply add up: dq into one float32 buffer through the call's rotation's transpose (one fused
-pass per call, `CPPlan.add_dq`), dk and dv into float32 accumulators of the key rows.
+rank `src`, the dense kernel `Call`s (cp_calls.py: query rows of dst x key rows of src, full or
+causal, which rotated copy of the query to use, possibly in blocks). Every call runs
+`attention_forward`, returning (out, lse); results merge by LSE online into a float32 output
+(one fused pass per call, `merge_partials`), and the backward runs every call's
+`attention_backward` with the *merged* out and lse (the global-LSE recipe of lse_attention.py),
+so each call's dq, dk, dv are exact and simply add up: dq into one float32 buffer through the
+call's rotation's transpose (one fused pass per call, `CPPlan.add_dq`), dk and dv into float32
+accumulators of the key rows.
 
 Exchange, chosen by the plan:
   ring    the KV block (k and v, one message) travels rank r -> r+1 for N-1 steps, so at step t
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from models.attention.cp_calls import Call
 from models.attention.lse_attention import attention_backward, attention_forward, merge_partials
 from models.recompute import keep_attention, kept_attention
 
@@ -66,21 +68,6 @@ class Layout:
         return torch.cat([torch.arange(a * p, (a + 1) * p) for a in self.pieces(self.rank)])
 
 
-class Call(NamedTuple):
-    """One dense kernel call: query rows [q0, q1) of the query rank (rotated copy `part`)
-    against key rows [k0, k1) of the source rank; `causal` only for the same global rows.
-    With `blocks` > 1 both ranges are that many equal blocks, block j of the queries against
-    block j of the keys, run as one kernel call with the blocks in its batch dimension."""
-
-    part: int
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    causal: bool
-    blocks: int = 1
-
-
 class CPPlan:
     """What an attention kind computes under CP. Subclasses implement `calls` and may set
     `mode`; kinds that rotate q/k themselves (DCA: one rotated q per part) override
@@ -106,47 +93,6 @@ class CPPlan:
     def unrotate_k(self, dk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """dk w.r.t. the rotated keys [b, s, hk, d] (float32) -> w.r.t. k, in `dtype`."""
         return dk.to(dtype)
-
-
-def coalesce(calls: list[Call]) -> list[Call]:
-    """Merge full calls that tile a larger rectangle: the same keys and adjacent query rows,
-    then the same queries and adjacent key rows. Fewer, larger kernel calls; same function."""
-    return _merge_adjacent(_merge_adjacent(calls, on_queries=True), on_queries=False)
-
-
-def _merge_adjacent(calls: list[Call], on_queries: bool) -> list[Call]:
-    """One coalescing pass along the query (or key) axis."""
-    def spans(c: Call) -> tuple[tuple[int, int], tuple[int, int]]:  # (this axis, the other)
-        return ((c.q0, c.q1), (c.k0, c.k1)) if on_queries else ((c.k0, c.k1), (c.q0, c.q1))
-
-    merged: list[Call] = []
-    for c in sorted(calls, key=lambda c: (c.part, c.causal, spans(c)[1], spans(c)[0])):
-        last = merged[-1] if merged else None
-        if last is not None and not (c.causal or last.causal) and last.part == c.part:
-            (_, end), other = spans(last)
-            (start, stop), c_other = spans(c)
-            if other == c_other and end == start:
-                merged[-1] = last._replace(**{"q1" if on_queries else "k1": stop})
-                continue
-        merged.append(c)
-    return merged
-
-
-def join_blocks(calls: list[Call]) -> list[Call]:
-    """Join calls of one part, kind and shape that follow each other on both axes (each call's
-    query and key rows start where the previous call's end) into one call over blocks: a
-    chunk-by-chunk causal diagonal or successive staircase becomes one kernel call."""
-    joined: list[Call] = []
-    for c in sorted(calls, key=lambda c: (c.part, c.causal, c.q1 - c.q0, c.k1 - c.k0, c.q0)):
-        last = joined[-1] if joined else None
-        if (last is not None and (last.part, last.causal) == (c.part, c.causal)
-                and (last.q1 - last.q0) // last.blocks == c.q1 - c.q0
-                and (last.k1 - last.k0) // last.blocks == c.k1 - c.k0
-                and (last.q1, last.k1) == (c.q0, c.k0)):
-            joined[-1] = last._replace(q1=c.q1, k1=c.k1, blocks=last.blocks + 1)
-        else:
-            joined.append(c)
-    return joined
 
 
 def key_span(plan: CPPlan, dst: int, src: int) -> tuple[int, int] | None:

@@ -31,14 +31,8 @@ import torch
 import torch.distributed as dist
 
 from models.attention.chunked import chunked_attention
-from models.attention.context_parallel import (
-    Call,
-    CPPlan,
-    Layout,
-    coalesce,
-    cp_attention,
-    join_blocks,
-)
+from models.attention.context_parallel import CPPlan, Layout, cp_attention
+from models.attention.cp_calls import Call, coalesce, join_blocks
 from models.attention.dca import _check_qkv, _check_sizes
 from models.attention.dca_calls import INTER, INTRA, SUCCESSIVE
 from models.attention.dca_scaling import DCAScaling, query_factors

@@ -22,9 +22,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.context_parallel import Call as CPCall
-from models.attention.context_parallel import Layout, join_blocks
+from models.attention.context_parallel import Layout
 from models.attention.core import CausalCoreAttention
+from models.attention.cp_calls import Call as CPCall
+from models.attention.cp_calls import join_blocks
 from models.attention.cp_variants import (
     chunk_rectangles,
     cp_causal_attention,
