@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # `python bench/train.py`: make the repo importab
 import torch  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
+from bench.attention import gpu_timeline  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.train import Trainer, train  # noqa: E402
 
@@ -145,16 +146,19 @@ def profile_summary(prof: torch.profiler.profile, wall_ms: float) -> dict[str, A
     annotations = sorted({e.name for e in on_gpu} - {e.name for e in kernels})
     by_cat: dict[str, float] = {}
     by_kernel: dict[str, list[float]] = {}
+    in_cat: dict[str, dict[str, list[float]]] = {}
     spans = []
     for e in kernels:
         ms = e.time_range.elapsed_us() / 1e3
-        by_cat[_category(e.name)] = by_cat.get(_category(e.name), 0.0) + ms
-        entry = by_kernel.setdefault(e.name[:90], [0.0, 0])
-        entry[0] += ms
-        entry[1] += 1
-        spans.append((e.time_range.start, e.time_range.end))
+        cat = _category(e.name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
+        for entry in (by_kernel.setdefault(e.name[:90], [0.0, 0]),
+                      in_cat.setdefault(cat, {}).setdefault(e.name[:60], [0.0, 0])):
+            entry[0] += ms
+            entry[1] += 1
+        spans.append((e.time_range.start, e.time_range.end, e.name))
     busy, end = 0.0, float("-inf")  # union of kernel intervals (streams may overlap)
-    for start, stop in sorted(spans):
+    for start, stop, _ in sorted(spans):
         if stop > end:
             busy += (stop - max(start, end)) / 1e3
             end = stop
@@ -167,6 +171,10 @@ def profile_summary(prof: torch.profiler.profile, wall_ms: float) -> dict[str, A
                         sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]],
         "top_ops": [(a.key, round(a.self_device_time_total / 1e3, 2), a.count)
                     for a in ops[:15] if a.self_device_time_total > 0],
+        "top_in_category": {cat: [(n, round(t, 2), c) for n, (t, c) in
+                                  sorted(names.items(), key=lambda kv: -kv[1][0])[:5]]
+                            for cat, names in in_cat.items()},
+        "timeline": gpu_timeline(spans, gaps=8) if spans else "",
     }
 
 
@@ -209,6 +217,10 @@ def print_profile(case: dict[str, Any]) -> None:
     print(f"| GPU idle (host, syncs, launch gaps) | {idle:.1f} | {100 * idle / step:.1f}% |")
     print("top operators (self GPU ms, calls): " + "; ".join(
         f"{name} {ms} ({count})" for name, ms, count in prof["top_ops"][:10]))
+    for cat, top in prof.get("top_in_category", {}).items():
+        if not cat.startswith(("attention", "GEMM")):
+            print(f"  {cat}: " + "; ".join(f"{n} {ms} ({c})" for n, ms, c in top))
+    print(prof.get("timeline", ""))
 
 
 # ---- main ---------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class DataConfig:
     # needle count (trainer/passkey.py)
     multikey_fraction: float = 0.0
     multikey_keys: int = 4
+    # read the next step's micro-batches while the GPU runs this step's backward (false: at the
+    # start of each step, the GPU waiting for them)
+    read_ahead: bool = True
 
 
 @dataclass

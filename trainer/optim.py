@@ -2,7 +2,8 @@
 
 Without apex or Transformer Engine megatron-core falls back to `torch.optim.AdamW` in its default
 multi-tensor (foreach) form: several passes over every fp32 state tensor per step. On the GPU
-`use_fused_adam` switches it to torch's fused AdamW, one pass (docs/benchmarks.md).
+`use_fused_adam` switches it to torch's fused AdamW, one pass (docs/benchmarks.md); its grad norm
+and main-to-model param copy run through `trainer.multi_tensor` (no host sync per tensor).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from omegaconf import DictConfig
 
+from trainer import multi_tensor
+
 
 def build_optimizer(cfg: DictConfig, chunks: list[torch.nn.Module], bf16: bool):
     """megatron's Adam (mixed precision with fp32 master weights under bf16; sharded over the
     data-parallel ranks with `parallel.distributed_optimizer`) over this rank's model chunks."""
+    multi_tensor.install()  # megatron's apex-less grad norm syncs once per parameter tensor
     t = cfg.trainer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(

@@ -11,7 +11,7 @@ sync, the tied embedding's grads summed over the first and last stage, sequence-
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -93,14 +93,20 @@ def _mean_over_data_parallel(value: torch.Tensor) -> float:
 
 
 def train_step(chunks: list[torch.nn.Module], optimizer: Any, batches: list[Batch],
-               seq_length: int, device: torch.device) -> tuple[float, float]:
-    """One optimizer step over the micro-batches `batches`; returns (loss, grad norm)."""
+               seq_length: int, device: torch.device,
+               while_gpu_busy: Callable[[], None] | None = None) -> tuple[float, float]:
+    """One optimizer step over the micro-batches `batches`; returns (loss, grad norm).
+    `while_gpu_busy` runs once the backward is queued: host work (reading the next batches) that
+    the GPU would otherwise wait for at the next step's start."""
     for chunk in chunks:
-        chunk.train()
+        if not chunk.training:  # after evaluation; the recursive switch costs ~2 ms of host time
+            chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     total = _run_schedule(chunks, batches, seq_length, device, forward_only=False,
                           scale=len(batches))
+    if while_gpu_busy is not None:  # the optimizer's grad norm is the step's first host sync
+        while_gpu_busy()
     _, grad_norm, _ = optimizer.step()
     return _mean_over_data_parallel(total), float(grad_norm or 0.0)
 

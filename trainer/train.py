@@ -114,6 +114,7 @@ class Trainer:
             self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
             self.topo.dp_rank, self.topo.dp, mix=self.passkey_mix,
         )
+        self._ahead: list[dict[str, torch.Tensor]] | None = None  # the next step's, when read
 
     def _setup_parallel(self) -> None:
         """Process groups and megatron's parallel state; micro-batches per step."""
@@ -175,12 +176,21 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over `micro_batches` micro-batches; returns (loss, grad norm)."""
-        batches = [next(self.data) for _ in range(self.micro_batches)]
-        loss, grad_norm = train_step(self.model, self.optimizer, batches,
-                                     self.cfg.trainer.seq_length, self.device)
+        batches, self._ahead = self._ahead or self._read(), None
+        loss, grad_norm = train_step(
+            self.model, self.optimizer, batches, self.cfg.trainer.seq_length, self.device,
+            while_gpu_busy=self._read_ahead if self.cfg.data.read_ahead else None)
         self.scheduler.step(increment=1)
         self.consumed_samples += self.cfg.trainer.global_batch_size
         return loss, grad_norm
+
+    def _read(self) -> list[dict[str, torch.Tensor]]:
+        return [next(self.data) for _ in range(self.micro_batches)]
+
+    def _read_ahead(self) -> None:
+        """The next step's micro-batches, read while the GPU works through this step's backward:
+        read at the step's start they left the GPU idle 4-6 ms per 32K-token step (H100)."""
+        self._ahead = self._read()
 
     def evaluate(self) -> float:
         batches = validation_batches(self.valid_ds, self.cfg.trainer.micro_batch_size,
