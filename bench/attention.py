@@ -68,9 +68,11 @@ def sdpa(backend: str) -> Variant:
     return Variant(f"sdpa_{backend}", fn, causal_flops)
 
 
-def dca(chunk_size: int, local_size: int, name: str = "dca") -> Variant:
+def dca(chunk_size: int, local_size: int, name: str = "dca",
+        cuda_graphs: bool = False) -> Variant:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size)
+        return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
+                                    cuda_graphs=cuda_graphs)
     return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops)
 
 
@@ -92,7 +94,13 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca": lambda a: dca(a.dca_chunk, a.dca_local),
     "dca_small": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca"),
     "chunked": lambda a: chunked(a.chunked_size),
+    # replayed as CUDA graphs (opt-in: their memory stays allocated, so their peak_mib counts
+    # the graphs of every shape measured before)
+    "dca_graphs": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs", True),
+    "dca_small_graphs": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_graphs",
+                                      True),
 }
+DEFAULT_VARIANTS = [name for name in REGISTRY if "graphs" not in name]
 
 
 def time_ms(step: Callable[[], object], warmup: int, repeats: int,
@@ -233,7 +241,7 @@ def add_variant_args(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="8192,32768,131072")
-    parser.add_argument("--variants", default=",".join(REGISTRY))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     add_variant_args(parser)
     parser.add_argument("--kv-heads", default="16,4", help="one row set per KV head count")
     parser.add_argument("--repeats", type=int, default=10)

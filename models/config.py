@@ -21,6 +21,7 @@ class LongContextConfig(TransformerConfig):
     head_wise_attn_gate: a sigmoid gate per head on the attention output, fused into linear_qkv
     (models/attention/head_gate.py); works with every attention kind.
     dca_scaling*: DCA's length-dependent logit scaling (models/attention/dca_scaling.py).
+    dca_cuda_graphs: DCA's passes replayed as CUDA graphs (models/attention/dca_graphs.py).
     recompute_keep_attention: under full recompute, each core attention keeps its output and LSE
     from the first forward instead of running again (models/recompute.py).
     """
@@ -35,6 +36,7 @@ class LongContextConfig(TransformerConfig):
     dca_scaling_attn_scale: float = 0.1
     dca_scaling_floor_scale: int = 8192
     dca_scaling_original_length: int | None = None
+    dca_cuda_graphs: bool = False
     attention_chunk_size: int = 8192
     global_layer_interval: int = 0
     head_wise_attn_gate: bool = False

@@ -38,6 +38,7 @@ class BuildOptions:
     recompute_keep_attention: bool = False
     fused_norm: bool = False
     fused_rope: bool = False
+    dca_cuda_graphs: bool = False
     # False: parameters are allocated but not randomly initialised (every one is about to be
     # overwritten, e.g. by an import): no fp32 master copies, no init time.
     initialize: bool = True
@@ -155,12 +156,14 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
                        recompute_modules: Sequence[str] = (), recompute_num_layers: int = 0,
                        recompute_keep_attention: bool = False,
                        fused_norm: bool = False, fused_rope: bool = False,
+                       dca_cuda_graphs: bool = False,
                        initialize: bool = True) -> LongContextConfig:
     """The megatron config for a model shape, attention variant and parallel layout.
 
     `fused_rope` turns on megatron's `apply_rope_fusion` with our Triton kernels
     (models/fused_rope.py) for the layers megatron rotates; DCA rotates q and k itself, in its
-    own fused kernels, so the setting changes nothing there.
+    own fused kernels, so the setting changes nothing there. `dca_cuda_graphs` (DCA on the GPU
+    only) replays DCA's passes as CUDA graphs (models/attention/dca_graphs.py).
     """
     rope_fusion = fused_rope and attention.kind != "dca"
     if rope_fusion:
@@ -214,6 +217,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         dca_scaling_attn_scale=attention.dca_scaling_attn_scale,
         dca_scaling_floor_scale=attention.dca_scaling_floor_scale,
         dca_scaling_original_length=attention.dca_scaling_original_length,
+        dca_cuda_graphs=dca_cuda_graphs and on_gpu,
         attention_chunk_size=attention.chunk_size,
         global_layer_interval=attention.global_layer_interval,
         head_wise_attn_gate=attention.head_wise_attn_gate,

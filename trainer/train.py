@@ -143,7 +143,7 @@ class Trainer:
             recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
             recompute_num_layers=t.recompute_num_layers,
             recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
-            fused_rope=t.fused_rope,
+            fused_rope=t.fused_rope, dca_cuda_graphs=t.dca_cuda_graphs,
         )
         built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
                             max_sequence_length=t.seq_length, options=options)

@@ -48,6 +48,9 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
                 recompute_num_layers=t.recompute_num_layers,
                 recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
                 fused_rope=t.fused_rope)
+    if t.dca_cuda_graphs and cfg.attention.kind != "dca":
+        raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
+                        f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
     if cfg.checkpoint.load:
         check_checkpoint_load(cfg.checkpoint.load)
 

@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 from models.attention.causal import causal_attention
 from models.attention.dca_backward import dca_backward
 from models.attention.dca_calls import INTER, Call, blocks, document_calls
+from models.attention.dca_graphs import DCAGraphs, graphs_for
 from models.attention.dca_scaling import DCAScaling, query_factors
 from models.attention.lse_attention import attention_forward, merge_partials
 from models.attention.rope import rope_cos_sin, rotate, rotate_multi
@@ -126,18 +127,18 @@ class _DualChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan,
-                scale: float) -> torch.Tensor:
+                scale: float, graphs: DCAGraphs | None) -> torch.Tensor:
         v = v.contiguous()  # chunk views need a dense token axis
         # Inside a recomputed layer (models/recompute.py) the first forward keeps (out, lse)
         # and the recompute reuses them: only the backward's inputs are rebuilt.
         kept = kept_attention(q.shape)
         if kept is None:
-            out, lse = _forward(q, k, v, plan, scale)
+            out, lse = graphs.forward(q, k, v) if graphs else _forward(q, k, v, plan, scale)
             keep_attention(out, lse)
         else:
             out, lse = kept
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.graphs = plan, scale, graphs
         return out
 
     @staticmethod
@@ -145,7 +146,9 @@ class _DualChunkAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()  # out's layout, as the kernel backwards require
-        return *dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout), None, None
+        if ctx.graphs is not None:
+            return *ctx.graphs.backward(q, k, v, out, lse, dout), None, None, None
+        return *dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout), None, None, None
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan,
@@ -208,7 +211,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                          softmax_scale: float | None = None,
                          cu_seqlens: torch.Tensor | Sequence[int] | None = None,
                          scaling: DCAScaling | None = None,
-                         rope_scaling: RopeScaling | None = None) -> torch.Tensor:
+                         rope_scaling: RopeScaling | None = None,
+                         cuda_graphs: bool = False) -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
     q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], kv_heads
@@ -217,6 +221,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     head_dim ** -0.5. `cu_seqlens` (batch 1): cumulative document lengths from 0 to seq;
     positions and chunks restart at every document and no query sees another document.
     `scaling`: optional length-dependent logit scaling (dca_scaling.py; default none).
+    `cuda_graphs`: replay the forward and backward as CUDA graphs captured per shape
+    (dca_graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     _check_sizes(chunk_size, local_size, rope_theta)
@@ -229,7 +235,13 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
                                 cu_seqlens=None if bounds is None else torch.tensor(bounds))
-    return _DualChunkAttention.apply(q, k, v, plan, scale)
+    graphs = None
+    if (cuda_graphs and bounds is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and not torch.cuda.is_current_stream_capturing()):
+        key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
+               float(mscale), scale, scaling, rope_scaling)
+        graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
+    return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 
 
 def _check_sizes(chunk_size: int, local_size: int, rope_theta: float) -> None:

@@ -249,7 +249,7 @@ def _general_path(q, k, v, chunk_size: int, local_size: int, cu_seqlens=None) ->
     """DCA through the per-part kernels, bypassing the S <= C shortcut."""
     bounds = None if cu_seqlens is None else cu_seqlens.tolist()
     plan = dca._Plan(q, chunk_size, local_size, 10000.0, 1.0, bounds, DCAScaling())
-    return dca._DualChunkAttention.apply(q, k, v, plan, q.shape[-1] ** -0.5)
+    return dca._DualChunkAttention.apply(q, k, v, plan, q.shape[-1] ** -0.5, None)
 
 
 @pytest.mark.parametrize(("seq", "cu"), [(12, None), (16, None), (10, None),

@@ -35,6 +35,7 @@ from trainer.validate import check_attention_selection, validate_train
     ("trainer.seq_length=63", "trainer.seq_length"),  # with parallel.cp=2 below
     ("checkpoint.load=/no/such/checkpoints", "checkpoint.load"),
     ("data.valid_fraction=1.5", "data.valid_fraction"),
+    ("trainer.dca_cuda_graphs=true", "trainer.dca_cuda_graphs"),  # attention is standard
     ("+attention=dca", "dca_chunk_size"),  # 8192 > 1024 local by default; set local too big
 ])
 def test_bad_setting_is_refused_before_the_model_is_built(
