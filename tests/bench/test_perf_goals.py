@@ -82,3 +82,12 @@ def test_back_to_back_rows_are_checked_against_cudnn_timed_alike(tmp_path: Path)
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "| dca(C=2048,w=256) 8192 16/16 back to back (x20) speed vs cuDNN | 0.947 |" in out
     assert "3 of 5 goals hold." in out
+
+
+def test_cuda_graph_rows_get_a_speed_goal_only() -> None:
+    """A graphed DCA row's peak leaves out the graphs' pools: no memory goal is judged on it."""
+    rows = [_attention_row("sdpa_cudnn", 32768, 4, 27.0, 1000.0),
+            _attention_row("dca_graphs(C=2048,w=256)", 32768, 4, 30.0, 400.0)]
+    checks = perf_goals.attention_goals(rows)
+    assert [c["goal"] for c in checks] == ["dca_graphs(C=2048,w=256) 32768 16/4 speed vs cuDNN"]
+    assert abs(checks[0]["value"] - 0.9) < 1e-12 and not checks[0]["holds"]
