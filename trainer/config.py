@@ -77,7 +77,8 @@ class TrainerConfig:
     fused_rope: bool = False  # megatron's RoPE as one Triton pass each way (models/fused_rope.py)
     # attention=dca: its forward and backward replayed as CUDA graphs, one capture per shape
     # (models/attention/dca_graphs.py): for short sequences and small chunks, where launching
-    # DCA's ~100 kernels takes the host longer than the GPU needs to run them
+    # DCA's ~100 kernels takes the host longer than the GPU needs to run them (packed documents
+    # and parallel.cp > 1 run eagerly)
     dca_cuda_graphs: bool = False
 
 
