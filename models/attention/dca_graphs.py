@@ -5,10 +5,11 @@ C = 2048 one forward+backward is ~100 kernels (14 cuDNN calls, 42 Triton launche
 host 8.4 ms and the GPU 2.9 ms (docs/benchmarks.md). Training shapes are static, so each shape
 (with its settings) is captured once, after an eager warm-up that compiles the Triton kernels and
 builds the cuDNN plans; every layer and step then copies its inputs into the graphs' buffers,
-replays, and copies the outputs out: one launch instead of ~100, for ~14 copies of q's size in
-extra memory traffic and the graphs' own memory (their buffers and intermediates, ~10 copies of
-q's size per shape, kept while the process runs). Worth it where launches dominate (short
-sequences, small chunks); `dual_chunk_attention(..., cuda_graphs=True)` opts in.
+replays, and copies the outputs out: one launch instead of ~100, for ~13 copies of q's size in
+extra memory traffic and the graphs' own memory, kept while the process runs (measured with
+bench/dca_graph_memory.py: 5-8x q's size allocated, 17-31x reserved per shape). Worth it where
+launches dominate (short sequences, small chunks); `dual_chunk_attention(..., cuda_graphs=True)`
+opts in.
 """
 
 from __future__ import annotations
