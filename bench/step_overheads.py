@@ -29,8 +29,6 @@ if __package__ in (None, ""):  # `python bench/step_overheads.py`: make the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from megatron.core import utils as megatron_utils  # noqa: E402
-from megatron.core.optimizer import clip_grads, optimizer  # noqa: E402
 
 from bench.train import run_case  # noqa: E402
 from trainer import multi_tensor  # noqa: E402
@@ -41,12 +39,6 @@ SETTINGS = [  # (name, trainer.multi_tensor installed, data.read_ahead)
     ("foreach multi-tensor ops", True, False),
     ("foreach + data.read_ahead (default)", True, True),
 ]
-
-
-def _use_megatron_fallbacks() -> None:
-    clip_grads.l2_norm_impl = megatron_utils.local_multi_tensor_l2_norm
-    clip_grads.multi_tensor_scale_impl = megatron_utils.local_multi_tensor_scale
-    optimizer.multi_tensor_scale_impl = megatron_utils.local_multi_tensor_scale
 
 
 def main() -> None:
@@ -66,7 +58,7 @@ def main() -> None:
         steps: dict[str, list[float]] = {name: [] for name, _, _ in SETTINGS}
         for _ in range(args.rounds):
             for name, ours, read_ahead in SETTINGS:
-                _use_megatron_fallbacks()
+                multi_tensor.restore()
                 multi_tensor.install = install if ours else (lambda: 0)
                 extra = ["trainer.fused_norm=true", "trainer.fused_rope=true",
                          f"data.read_ahead={read_ahead}"]

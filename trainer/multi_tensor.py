@@ -53,6 +53,13 @@ def scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torc
             torch.mul(src, factor, out=dst)
 
 
+def restore() -> None:
+    """Put megatron's fallbacks back where `install` replaced them (A/B benchmarks)."""
+    for (module, name), fallback in _FALLBACKS.items():
+        if getattr(module, name) in (l2_norm, scale):
+            setattr(module, name, fallback)
+
+
 def install() -> int:
     """Replace megatron's local multi-tensor fallbacks (where megatron chose them, i.e. apex and
     TE are absent) with these; returns how many were replaced. Idempotent."""

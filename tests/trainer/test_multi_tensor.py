@@ -74,3 +74,7 @@ def test_install_replaces_only_megatrons_fallbacks(monkeypatch: pytest.MonkeyPat
     assert clip_grads.multi_tensor_scale_impl is multi_tensor.scale
     assert optimizer.multi_tensor_scale_impl is apex_like
     assert multi_tensor.install() == 0  # idempotent
+    multi_tensor.restore()  # megatron's fallbacks back, the apex-like one untouched
+    assert clip_grads.l2_norm_impl is megatron_utils.local_multi_tensor_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale
+    assert optimizer.multi_tensor_scale_impl is apex_like
