@@ -186,10 +186,11 @@ def markdown(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def gpu_timeline(events: list[tuple[float, float, str]], gaps: int = 6) -> str:
-    """One line on a profile's GPU activity, (start, end, name) in microseconds: kernels, busy
-    time (their union) against the span from first start to last end, and the largest idle
-    gaps with the kernel each one ended in (where the GPU waited for the host)."""
+def gpu_activity(events: list[tuple[float, float, str]],
+                 ) -> tuple[float, float, list[tuple[float, str]]]:
+    """(busy, span, idle gaps) of (start, end, name) kernel intervals in microseconds: busy is
+    their union (streams may overlap), span first start to last end, each gap with the kernel
+    it ended in."""
     events = sorted(events)
     busy, end, idle = 0.0, events[0][0], []
     for start, stop, name in events:
@@ -197,7 +198,14 @@ def gpu_timeline(events: list[tuple[float, float, str]], gaps: int = 6) -> str:
             idle.append((start - end, name))
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    span = end - events[0][0]
+    return busy, end - events[0][0], idle
+
+
+def gpu_timeline(events: list[tuple[float, float, str]], gaps: int = 6) -> str:
+    """One line on a profile's GPU activity, (start, end, name) in microseconds: kernels, busy
+    time against the span, and the largest idle gaps with the kernel each one ended in (where
+    the GPU waited for the host)."""
+    busy, span, idle = gpu_activity(events)
     worst = ", ".join(f"{gap:.0f} us before {name[:40]}" for gap, name in sorted(idle)[::-1][:gaps])
     return (f"GPU: {len(events)} kernels, busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms "
             f"({busy / span:.0%}); {len(idle)} idle gaps, {sum(g for g, _ in idle) / 1e3:.2f} ms "

@@ -52,7 +52,7 @@ if __package__ in (None, ""):  # `python bench/train.py`: make the repo importab
 import torch  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
-from bench.attention import gpu_timeline  # noqa: E402
+from bench.attention import gpu_activity, gpu_timeline  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.train import Trainer, train  # noqa: E402
 
@@ -157,11 +157,7 @@ def profile_summary(prof: torch.profiler.profile, wall_ms: float) -> dict[str, A
             entry[0] += ms
             entry[1] += 1
         spans.append((e.time_range.start, e.time_range.end, e.name))
-    busy, end = 0.0, float("-inf")  # union of kernel intervals (streams may overlap)
-    for start, stop, _ in sorted(spans):
-        if stop > end:
-            busy += (stop - max(start, end)) / 1e3
-            end = stop
+    busy = gpu_activity(spans)[0] / 1e3 if spans else 0.0
     ops = sorted(prof.key_averages(), key=lambda a: a.self_device_time_total, reverse=True)
     return {
         "wall_ms": wall_ms, "gpu_busy_ms": busy, "kernels": len(kernels),
