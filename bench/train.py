@@ -2,6 +2,8 @@
 
 Each case is a real `trainer` run (same code path as `python -m trainer`) for a few steps in this
 process; figures are medians over the steps after warm-up. Out-of-memory is reported, not fatal.
+Beside each MFU figure: the GPU's median SM clock and power draw while the case ran, and how often
+the driver held the clock down for the power limit (`bench/gpu_power.py`).
 
     python bench/train.py --models gpt_1p3b --attention standard dca --seqs 4096 32768 131072 \\
         --steps 10 --warmup 4 --steps-for 131072:4:2 --set trainer.fused_norm=true \\
@@ -53,6 +55,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from bench.attention import gpu_activity, gpu_timeline  # noqa: E402
+from bench.gpu_power import describe, sampled  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.train import Trainer, train  # noqa: E402
 
@@ -270,12 +273,15 @@ def main() -> None:
                     profile = args.profile is not None and (
                         not args.profile or any(matches(key, case) for key in args.profile))
                     profiles: list[dict[str, Any]] = []
+                    power: list[dict[str, Any]] = []
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()
                     try:
                         with tempfile.TemporaryDirectory() as tmp, \
-                                profile_step(steps if profile else 0, profiles):
+                                profile_step(steps if profile else 0, profiles), \
+                                sampled(torch.cuda.current_device() if torch.cuda.is_available()
+                                        else 0, power):
                             rows = run_case(model, attention, seq, steps, extra, Path(tmp))
                     except Exception as exc:
                         if WORLD > 1:  # peers would wait for this rank forever: end the job
@@ -296,6 +302,8 @@ def main() -> None:
                         case.update(summarize(rows, warmup, bool(profiles)))
                         if profiles:
                             case["profile"] = profiles[0]
+                    if power:
+                        case["gpu_power"] = power[0]
                     gc.collect()  # an OOM's traceback cycles hold the failed case's tensors
                     if torch.cuda.is_available():
                         case["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
@@ -312,16 +320,18 @@ def main() -> None:
     cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
     print(f"\n{device}, torch {torch.__version__}, cuDNN {cudnn}, megatron-core "
           f"{megatron.core.__version__}, overrides: {' '.join(args.extra) or '-'}\n")
-    print("| model | attention | seq | variant | GPUs | tokens/s | TFLOP/s per GPU | MFU | peak GB "
-          "(alloc, max over GPUs / reserved, GPU 0) | loss first→last |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | attention | seq | variant | GPUs | tokens/s | TFLOP/s per GPU | MFU | "
+          "SM clock, power (busy medians) | peak GB (alloc, max over GPUs / reserved, GPU 0) "
+          "| loss first→last |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         head = f"| {r['model']} | {r['attention']} | {r['seq']} | {r['variant']} | {r['gpus']} |"
         if "error" in r:
-            print(f"{head} {r['error'][:60]} | | | {r.get('reserved_gb', 0):.1f} reserved | |")
+            print(f"{head} {r['error'][:60]} | | | | {r.get('reserved_gb', 0):.1f} reserved | |")
             continue
         print(f"{head} {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | "
-              f"{r['memory_gb']:.1f} / {r.get('reserved_gb', float('nan')):.1f} | "
+              f"{describe(r.get('gpu_power'))} | {r['memory_gb']:.1f} / "
+              f"{r.get('reserved_gb', float('nan')):.1f} | "
               f"{r['loss_first']:.2f}→{r['loss_last']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps({

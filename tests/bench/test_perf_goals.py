@@ -47,7 +47,8 @@ def test_attention_goals() -> None:
 def test_train_goals_and_the_command_line(tmp_path: Path) -> None:
     train = {"results": [
         {"model": "gpt_1p3b", "attention": "standard", "seq": 32768, "variant": "-",
-         "mfu": 0.497},
+         "mfu": 0.497, "gpu_power": {"sm_clock_mhz": 1620.0, "power_w": 694.2,
+                                     "power_capped": 0.96}},
         {"model": "gpt_1p3b", "attention": "dca", "seq": 131072, "variant": "-", "mfu": 0.481},
         {"model": "gpt_350m", "attention": "dca", "seq": 32768, "variant": "-", "mfu": 0.3}]}
     checks = perf_goals.train_goals(train["results"])
@@ -61,6 +62,8 @@ def test_train_goals_and_the_command_line(tmp_path: Path) -> None:
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "| dca(C=2048,w=256) 8192 16/16 speed vs cuDNN | 0.500 | >= 0.9 | NO |" in out
     assert "| dca(C=8192,w=1024) 131072 16/16 speed vs cuDNN | failed to run |" in out
+    assert ("| gpt_1p3b standard 32768 - MFU | 0.497 (1,620 MHz, 694 W (capped 96%)) | >= 0.5 "
+            "| NO |") in out
     assert "3 of 6 goals hold." in out
     assert len(json.loads((tmp_path / "goals.json").read_text())) == 6
 
