@@ -3,7 +3,6 @@ model code, which only builds modules)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +12,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from parallel.cpu_mode import enable_cpu_mode
+from parallel.process_group import join_process_group
 from parallel.torch_adam import enable_torch_adam_checkpoints
 
 
@@ -42,34 +42,13 @@ class Topology:
         return self.pp_rank == self.pp - 1
 
 
-def resolve_device(choice: str) -> torch.device:
-    """`auto` picks CUDA when present; `cuda` without a GPU is an error, not a silent fallback."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu"
-        )
-    if choice not in ("cpu", "cuda"):
-        raise ValueError(f"trainer.device={choice!r}: choose auto, cpu or cuda")
-    return torch.device(choice)
-
-
 def init_process_group(device: torch.device) -> None:
-    """Join torchrun's group, or form a group of one (megatron always needs a process group)."""
+    """megatron's patches for this machine, then the process group (megatron always needs one):
+    torchrun's, a group of one, or the one this process already joined."""
     enable_torch_adam_checkpoints()
-    if dist.is_initialized():
-        return
     if device.type == "cpu":
         enable_cpu_mode()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)  # torchrun's env:// rendezvous
-    else:
-        # A group of one needs no rendezvous: an in-memory store, no port to race for.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    join_process_group(device)
 
 
 def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1, pp: int = 1,

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from parallel.distributed import initialize_parallel, shutdown
+from parallel.distributed import init_process_group, initialize_parallel, shutdown
 from trainer.config import CONF_DIR, register_configs
 
 register_configs()
@@ -89,9 +89,8 @@ def assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path: Path, common: list[st
     tp2 = read_metrics(tmp_path / "tp2")
     ckpt = tmp_path / "tp2" / "checkpoints" / "iter_0000003"
     resume = common + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
-    run_cli(resume + ["hydra.run.dir=at_tp1"], cwd=tmp_path)
-    run_cli(resume + ["hydra.run.dir=at_tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
-    at_tp1, at_tp2 = read_metrics(tmp_path / "at_tp1"), read_metrics(tmp_path / "at_tp2")
+    at_tp1 = train_on_ranks(resume, tmp_path / "at_tp1")
+    at_tp2 = train_on_ranks(resume + ["parallel.tp=2"], tmp_path / "at_tp2", nproc=2)
     assert [r["step"] for r in at_tp1] == [4, 5, 6]
     assert [r["loss"] for r in at_tp2] == [r["loss"] for r in tp2[3:]]  # same TP: exact
     for a, b in zip(at_tp1, at_tp2, strict=True):
@@ -138,18 +137,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int,
+def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int | None,
             args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # few cores: one thread per process
-    initialize_parallel(torch.device("cpu"), tp=tp, seed=0)
+    if tp is None:  # the caller forms megatron's groups (a Trainer forms its layout's)
+        init_process_group(torch.device("cpu"))
+    else:
+        initialize_parallel(torch.device("cpu"), tp=tp, seed=0)
     try:
         fn(*args)
     finally:
         shutdown()
 
 
-def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int) -> None:
-    """Run `fn(*args)` on `world` gloo processes at TP size `tp`; a failure in any raises here."""
-    mp.spawn(_worker, args=(fn, world, free_port(), tp, args), nprocs=world)
+# Worker processes fork from a server process that imported torch, megatron and the trainer once:
+# a new interpreter per worker spends ~7 s of CPU on those imports, and a fork of the test process
+# itself would inherit its gloo groups (megatron leaves them alive) and crash using them.
+mp.set_forkserver_preload(["tests.conftest", "trainer.train"])
+
+
+def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> None:
+    """Run `fn(*args)` on `world` gloo processes at TP size `tp` (None: a process group only);
+    a failure in any raises here."""
+    mp.start_processes(_worker, args=(fn, world, free_port(), tp, args), nprocs=world,
+                       start_method="forkserver")
+
+
+def _train_rank(overrides: list[str], run_dir: str) -> None:
+    from trainer.train import train
+
+    train(compose_config(overrides), Path(run_dir))
+
+
+def train_on_ranks(overrides: list[str], run_dir: Path, nproc: int = 1) -> list[dict[str, Any]]:
+    """What `torchrun --nproc-per-node nproc -m trainer <overrides>` trains, in `run_dir`, without
+    the launcher and the imports of a new interpreter per rank (tests/trainer/test_cli.py and
+    test_entry_errors.py run the real command line): one rank trains in this process, more in
+    forked gloo processes. Checkpoints go to run_dir/checkpoints; returns the metrics rows."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = overrides + [f"checkpoint.dir={run_dir / 'checkpoints'}"]
+    if nproc == 1:
+        _train_rank(overrides, str(run_dir))
+    else:
+        spawn(_train_rank, overrides, str(run_dir), world=nproc, tp=None)
+    return read_metrics(run_dir)

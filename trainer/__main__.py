@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from parallel.distributed import init_process_group, resolve_device
+from parallel.process_group import join_process_group, resolve_device
 from trainer.config import CONF_DIR, register_configs
 from trainer.entry import check_overrides, exits_on_user_error
 
@@ -42,7 +42,7 @@ def _run_stamp() -> str:
 def _agree_on_run_dir() -> None:
     """Join the process group early and give every rank rank 0's run-directory stamp; silence
     Hydra's outputs on the other ranks."""
-    init_process_group(resolve_device(_device_override(sys.argv[1:])))
+    join_process_group(resolve_device(_device_override(sys.argv[1:])))
     stamp = [_run_stamp()]
     dist.broadcast_object_list(stamp, src=0)
     os.environ["LONGCTX_RUN_STAMP"] = stamp[0]

@@ -151,7 +151,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from ckpt.load import saved_extra
     from ckpt.paths import resolve_checkpoint
     from models.attention.dca_scaling import DCAScaling, describe
-    from parallel.distributed import initialize_parallel, resolve_device, shutdown
+    from parallel.distributed import initialize_parallel, shutdown
+    from parallel.process_group import resolve_device
     from trainer.data import build_datasets
     from trainer.evaluate import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.retrieval import multikey_accuracy

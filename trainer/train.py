@@ -22,10 +22,10 @@ from parallel.distributed import (
     Topology,
     init_process_group,
     initialize_parallel,
-    resolve_device,
     shutdown,
     wrap_chunks,
 )
+from parallel.process_group import resolve_device
 from trainer.config import check_known_keys
 from trainer.data import DataIterator, build_datasets, validation_batches
 from trainer.init_from import adopt_saved_model

@@ -14,8 +14,7 @@ from ckpt.layout import tp_layout
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from ckpt.zarr_export import load_manifest, read_rank_shard
-from tests.conftest import FAST, compose_config, read_metrics, run_cli
-from trainer.train import train
+from tests.conftest import FAST, read_metrics, train_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     attention, targets = request.param
     overrides = FAST + HEADS + (["+attention=head_gate"] if attention == "head_gate" else [])
     cwd = tmp_path_factory.mktemp(attention)
-    run_cli(overrides + STEPS + ["hydra.run.dir=tp2", "parallel.tp=2"], cwd=cwd, nproc=2)
+    train_on_ranks(overrides + STEPS + ["parallel.tp=2"], cwd / "tp2", nproc=2)
     return overrides, cwd, targets
 
 
@@ -59,12 +58,7 @@ def test_reshaped_checkpoint_resumes_at_another_tp_with_the_same_next_step_loss(
                 pieces = {c.size[layout.axis] for c in info.chunks}
                 assert pieces == {layout.piece(info.shape[layout.axis], tp)}, info.key
         resume = overrides + STEPS + [f"checkpoint.load={dst}", "checkpoint.save=false"]
-        if tp == 1:
-            (cwd / "at_tp1").mkdir()
-            train(compose_config(resume), cwd / "at_tp1")
-        else:
-            run_cli(resume + [f"hydra.run.dir=at_tp{tp}", f"parallel.tp={tp}"], cwd=cwd, nproc=tp)
-        rows = read_metrics(cwd / f"at_tp{tp}")
+        rows = train_on_ranks(resume + [f"parallel.tp={tp}"], cwd / f"at_tp{tp}", nproc=tp)
         assert [r["step"] for r in rows] == [4]
         assert rows[0]["loss"] == pytest.approx(expected, rel=1e-4), tp
 

@@ -21,7 +21,12 @@ from models.attention.head_gate import HeadGatedSelfAttention
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import initialize_parallel
-from tests.conftest import FAST, assert_tp2_checkpoint_resumes_at_tp1_and_tp2, run_cli, spawn
+from tests.conftest import (
+    FAST,
+    assert_tp2_checkpoint_resumes_at_tp1_and_tp2,
+    spawn,
+    train_on_ranks,
+)
 
 VOCAB, SEQ = 128, 16
 SHAPES = {  # both allow TP=4: heads and query groups divide by 4
@@ -138,6 +143,6 @@ def test_factory_stores_qkv_and_gate_and_rebuilds_for_optimizer_state(single_pro
 def test_tp2_gated_checkpoint_resumes_at_tp1_and_tp2_with_the_same_losses(tmp_path: Path) -> None:
     common = FAST + ["+attention=head_gate", "model.qkv_bias=true", "trainer.max_steps=6",
                      "trainer.save_interval=3"]
-    run_cli(common + ["hydra.run.dir=tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
+    train_on_ranks(common + ["parallel.tp=2"], tmp_path / "tp2", nproc=2)
     # Model and optimizer state reshard: steps 5 and 6 use the resumed Adam moments.
     assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path, common)

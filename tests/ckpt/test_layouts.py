@@ -8,7 +8,7 @@ import pytest
 
 from ckpt.inspect import describe
 from ckpt.reader import Checkpoint
-from tests.conftest import FAST, read_metrics, run_cli
+from tests.conftest import FAST, train_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,8 @@ MODEL = FAST + ["model.num_layers=4", "model.num_attention_heads=4", "model.num_
 
 
 def test_tp2_pp2_checkpoint_resumes_at_tp1_pp4_tp4(tmp_path) -> None:
-    run_cli(MODEL + ["parallel.tp=2", "parallel.pp=2", "trainer.save_interval=1",
-                     "hydra.run.dir=saved"], cwd=tmp_path, nproc=4)
-    saved = read_metrics(tmp_path / "saved")
+    saved = train_on_ranks(MODEL + ["parallel.tp=2", "parallel.pp=2", "trainer.save_interval=1"],
+                           tmp_path / "saved", nproc=4)
     ckpt = tmp_path / "saved" / "checkpoints" / "iter_0000001"
     layout = describe(Checkpoint(ckpt))["layout"]
     assert (layout["tp"], layout["pp"], layout["dp"], layout["distributed_optimizer"]) == \
@@ -29,8 +28,7 @@ def test_tp2_pp2_checkpoint_resumes_at_tp1_pp4_tp4(tmp_path) -> None:
     resume = MODEL + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
     for name, layout_args, nproc in [("tp1", [], 1), ("pp4", ["parallel.pp=4"], 4),
                                      ("tp4", ["parallel.tp=4"], 4)]:
-        run_cli(resume + layout_args + [f"hydra.run.dir={name}"], cwd=tmp_path, nproc=nproc)
-        (row,) = read_metrics(tmp_path / name)
+        (row,) = train_on_ranks(resume + layout_args, tmp_path / name, nproc=nproc)
         assert row["step"] == 2
         assert row["loss"] == pytest.approx(saved[1]["loss"], rel=1e-5, abs=1e-5), name
         assert row["grad_norm"] == pytest.approx(saved[1]["grad_norm"], rel=1e-4), name

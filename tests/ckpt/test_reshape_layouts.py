@@ -17,7 +17,7 @@ from ckpt.inspect import describe
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from ckpt.reshape_plan import Layout, plan
-from tests.conftest import FAST, compose_config, read_metrics, run_cli
+from tests.conftest import FAST, compose_config, read_metrics, train_on_ranks
 from trainer.train import train
 
 # 2 layers (PP 2), 4 heads and 2 query groups (TP 2); a checkpoint after step 1 of 3, so a
@@ -97,9 +97,8 @@ def test_reshape_to_tp2_pp2_dist_opt_and_back_to_tp1_pp2_resumes(saved, capsys) 
     # distributed optimizer, and the reshaped one at TP1 x PP2: both continue the saving run.
     direct = _train(cwd, "direct", [f"checkpoint.load={tp2pp2}", "checkpoint.save=false"])
     _assert_continues(direct, metrics["plain"][1:])
-    run_cli(RUN + [f"checkpoint.load={tp1pp2}", "checkpoint.save=false", "parallel.pp=2",
-                   "hydra.run.dir=reshaped"], cwd=cwd, nproc=2)
-    reshaped = read_metrics(cwd / "reshaped")
+    reshaped = train_on_ranks(RUN + [f"checkpoint.load={tp1pp2}", "checkpoint.save=false",
+                                     "parallel.pp=2"], cwd / "reshaped", nproc=2)
     _assert_continues(reshaped, direct, rel=1e-5)
     _assert_continues(reshaped, metrics["plain"][1:], rel=1e-5)
 

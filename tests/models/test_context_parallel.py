@@ -36,7 +36,7 @@ from models.attention.dca import dual_chunk_attention
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import shutdown
-from tests.conftest import FAST, compose_config, read_metrics, run_cli, spawn
+from tests.conftest import FAST, compose_config, read_metrics, spawn, train_on_ranks
 from trainer import eval as eval_entry
 from trainer.step import _forward_step
 from trainer.train import train
@@ -335,13 +335,11 @@ def test_seq_length_must_split_into_2cp_pieces(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cp2_checkpoint_resumes_at_cp2_exactly_and_at_cp1_and_evaluates(tmp_path: Path) -> None:
     common = FAST + ["trainer.max_steps=4", "trainer.save_interval=2"]
-    run_cli(common + ["hydra.run.dir=cp2", "parallel.cp=2"], cwd=tmp_path, nproc=2)
+    cp2 = train_on_ranks(common + ["parallel.cp=2"], tmp_path / "cp2", nproc=2)
     ckpt = tmp_path / "cp2" / "checkpoints" / "iter_0000002"
     resume = common + [f"checkpoint.load={ckpt}", "checkpoint.save=false"]
-    run_cli(resume + ["hydra.run.dir=at_cp2", "parallel.cp=2"], cwd=tmp_path, nproc=2)
-    run_cli(resume + ["hydra.run.dir=at_cp1"], cwd=tmp_path)
-    cp2, at_cp2 = read_metrics(tmp_path / "cp2"), read_metrics(tmp_path / "at_cp2")
-    at_cp1 = read_metrics(tmp_path / "at_cp1")
+    at_cp2 = train_on_ranks(resume + ["parallel.cp=2"], tmp_path / "at_cp2", nproc=2)
+    at_cp1 = train_on_ranks(resume, tmp_path / "at_cp1")
     assert [r["loss"] for r in at_cp2] == [r["loss"] for r in cp2[2:]]
     for a, b in zip(at_cp1, at_cp2, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)

@@ -11,7 +11,7 @@ from models.attention.chunked_module import ChunkedCoreAttention
 from models.attention.core import CausalCoreAttention
 from models.attention.dca_module import DCACoreAttention
 from models.gpt import build_gpt, transformer_config
-from tests.conftest import FAST, compose_config, read_metrics, run_cli
+from tests.conftest import FAST, compose_config, train_on_ranks
 
 SEQ = 48
 
@@ -107,7 +107,7 @@ def test_variant_trains(run_training, variant: str) -> None:
 def test_dca_at_tp2_matches_tp1(tmp_path: Path) -> None:
     args = FAST + ["+attention=dca", "attention.dca_chunk_size=40", "attention.dca_local_size=8",
                    "trainer.max_steps=4", "checkpoint.save=false"]
-    run_cli(args + ["hydra.run.dir=tp1"], cwd=tmp_path)
-    run_cli(args + ["hydra.run.dir=tp2", "parallel.tp=2"], cwd=tmp_path, nproc=2)
-    for a, b in zip(read_metrics(tmp_path / "tp1"), read_metrics(tmp_path / "tp2")):
+    tp1 = train_on_ranks(args, tmp_path / "tp1")
+    tp2 = train_on_ranks(args + ["parallel.tp=2"], tmp_path / "tp2", nproc=2)
+    for a, b in zip(tp1, tp2, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-4)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, compose_config, read_metrics, run_cli
+from tests.conftest import FAST, compose_config, train_on_ranks
 from trainer.errors import UserError
 from trainer.validate import validate_train
 
@@ -27,15 +27,14 @@ STEPS = ["trainer.max_steps=3", "trainer.log_interval=1"]
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """A 3-step single-process run that saved after step 1: (its directory, its metrics)."""
     cwd = tmp_path_factory.mktemp("pipeline")
-    run_cli(FAST + MODEL + STEPS + ["trainer.save_interval=1", "hydra.run.dir=single"], cwd=cwd)
-    return cwd, read_metrics(cwd / "single")
+    return cwd, train_on_ranks(FAST + MODEL + STEPS + ["trainer.save_interval=1"], cwd / "single")
 
 
 def _resume(cwd: Path, name: str, layout: list[str]) -> list[dict]:
     ckpt = cwd / "single" / "checkpoints" / "iter_0000001"
-    run_cli(FAST + MODEL + STEPS + layout + [f"checkpoint.load={ckpt}", "checkpoint.save=false",
-                                             f"hydra.run.dir={name}"], cwd=cwd, nproc=4)
-    return read_metrics(cwd / name)
+    return train_on_ranks(FAST + MODEL + STEPS + layout + [f"checkpoint.load={ckpt}",
+                                                           "checkpoint.save=false"],
+                          cwd / name, nproc=4)
 
 
 def _assert_same_losses(resumed: list[dict], single: list[dict]) -> None:
@@ -99,10 +98,10 @@ CHUNKED = ["model.num_layers=4", "model.num_attention_heads=4", "model.num_query
 @pytest.mark.slow
 def test_chunked_global_layers_at_pp2_cp2_with_recompute_match_single_process(
         tmp_path: Path) -> None:
-    run_cli(FAST + CHUNKED + STEPS + ["trainer.save_interval=1", "hydra.run.dir=single"],
-            cwd=tmp_path)
+    single = train_on_ranks(FAST + CHUNKED + STEPS + ["trainer.save_interval=1"],
+                            tmp_path / "single")
     ckpt = tmp_path / "single" / "checkpoints" / "iter_0000001"
-    run_cli(FAST + CHUNKED + STEPS + ["parallel.pp=2", "parallel.cp=2", "trainer.recompute=full",
-                                      f"checkpoint.load={ckpt}", "checkpoint.save=false",
-                                      "hydra.run.dir=pp2cp2"], cwd=tmp_path, nproc=4)
-    _assert_same_losses(read_metrics(tmp_path / "pp2cp2"), read_metrics(tmp_path / "single"))
+    resumed = train_on_ranks(FAST + CHUNKED + STEPS + [
+        "parallel.pp=2", "parallel.cp=2", "trainer.recompute=full", f"checkpoint.load={ckpt}",
+        "checkpoint.save=false"], tmp_path / "pp2cp2", nproc=4)
+    _assert_same_losses(resumed, single)
