@@ -280,8 +280,7 @@ def main() -> None:
                     try:
                         with tempfile.TemporaryDirectory() as tmp, \
                                 profile_step(steps if profile else 0, profiles), \
-                                sampled(torch.cuda.current_device() if torch.cuda.is_available()
-                                        else 0, power):
+                                sampled(power):
                             rows = run_case(model, attention, seq, steps, extra, Path(tmp))
                     except Exception as exc:
                         if WORLD > 1:  # peers would wait for this rank forever: end the job

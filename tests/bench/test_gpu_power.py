@@ -37,6 +37,6 @@ def test_no_busy_sample_gives_no_summary() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour (tests/gpu samples a GPU)")
 def test_sampling_without_a_gpu_records_nothing() -> None:
     sink: list[dict] = []
-    with gpu_power.sampled(0, sink):
+    with gpu_power.sampled(sink):
         pass
     assert sink == []

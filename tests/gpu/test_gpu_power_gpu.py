@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 def test_a_busy_gpu_is_sampled() -> None:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     sink: list[dict] = []
-    with gpu_power.sampled(torch.cuda.current_device(), sink, interval_ms=100):
+    with gpu_power.sampled(sink, interval_ms=100):
         start = time.perf_counter()
         while time.perf_counter() - start < 1.5:
             for _ in range(20):
