@@ -71,6 +71,29 @@ def sdpa(backend: str) -> Variant:
     return Variant(f"sdpa_{backend}", fn, causal_flops)
 
 
+def flex(mode: str = "default") -> Variant:
+    """Causal attention from torch's flex_attention: a Triton kernel that Inductor generates
+    (and with `mode="max-autotune-no-cudagraphs"` autotunes), skipping the blocks the mask
+    empties. Its speed is what a fused DCA kernel written in Triton could hope for at best (DCA
+    does causal attention's work, plus its rotations), which is why the row is here. Compiled on
+    CUDA; eager (the dense reference) elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    masks: dict[tuple[int, str], object] = {}
+    kernel = (torch.compile(flex_attention, mode=mode, dynamic=False) if torch.cuda.is_available()
+              else flex_attention)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq = q.shape[1]
+        key = (seq, q.device.type)
+        if key not in masks:  # built once per shape, as a model would
+            masks[key] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq, seq,
+                                           device=q.device)
+        out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     block_mask=masks[key], enable_gqa=q.shape[2] != k.shape[2])  # [b, h, s, d]
+        return out.transpose(1, 2)
+    return Variant("flex" if mode == "default" else f"flex({mode})", fn, causal_flops)
+
+
 def dca(chunk_size: int, local_size: int, name: str = "dca",
         cuda_graphs: bool = False) -> Variant:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -95,6 +118,8 @@ def chunked(chunk_size: int) -> Variant | None:
 REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "sdpa_cudnn": lambda a: sdpa("cudnn"),
     "sdpa_flash": lambda a: sdpa("flash"),
+    "flex": lambda a: flex(),
+    "flex_autotune": lambda a: flex("max-autotune-no-cudagraphs"),
     "dca": lambda a: dca(a.dca_chunk, a.dca_local),
     "dca_small": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca"),
     "chunked": lambda a: chunked(a.chunked_size),
@@ -104,7 +129,9 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_small_graphs": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_graphs",
                                       True),
 }
-DEFAULT_VARIANTS = [name for name in REGISTRY if "graphs" not in name]
+# flex is opt-in: it compiles (and autotunes) per shape
+DEFAULT_VARIANTS = [name for name in REGISTRY if "graphs" not in name
+                    and not name.startswith("flex")]
 
 
 def time_ms(step: Callable[[], object], warmup: int, repeats: int,
