@@ -85,9 +85,10 @@ def flex(mode: str = "default") -> Variant:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seq = q.shape[1]
         key = (seq, q.device.type)
-        if key not in masks:  # built once per shape, as a model would
+        if key not in masks:  # built once per shape, as a model would; compiled, the
+            # builder never holds the dense [s, s] mask (128 GiB at 128K)
             masks[key] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq, seq,
-                                           device=q.device)
+                                           device=q.device, _compile=q.is_cuda)
         out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                      block_mask=masks[key], enable_gqa=q.shape[2] != k.shape[2])  # [b, h, s, d]
         return out.transpose(1, 2)
