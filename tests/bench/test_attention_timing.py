@@ -1,5 +1,5 @@
 """bench/attention.py's timing loop, with a fake CUDA event clock (the GPU part runs on the
-device): per-call times over back-to-back samples, warm-up excluded."""
+device): per-call times over back-to-back samples, warm-up excluded; and its flex row on CPU."""
 
 from __future__ import annotations
 
@@ -55,7 +55,6 @@ def test_gpu_timeline_counts_overlap_once_and_names_the_gaps() -> None:
                                    (53.0, 60.0, "c")])
     assert line.startswith("GPU: 4 kernels, busy 0.03 ms of 0.06 ms (45%); 2 idle gaps, 0.03 ms")
     assert line.endswith("largest: 30 us before b, 3 us before c")
-
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
