@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.corpus_files import collect_files, parse_patterns
+from trainer.data.corpus_files import collect_files, parse_patterns
 
 DEFAULT_VALID_FRACTION = 0.05  # DataConfig's default: kept when it already holds enough
 MANY_EPOCHS = 2.0  # more passes over the corpus text than this are worth a warning
@@ -43,7 +43,7 @@ def train_tokenizer(path: Path, vocab: int, texts: Iterable[str]) -> None:
 
 def embedded_tokenizer(path: Path, vocab: int, max_documents: int | None) -> None:
     """The tokenizer of the default run: BPE on the embedded corpus (the stdlib's sources)."""
-    from trainer.data import embedded_corpus
+    from trainer.data.datasets import embedded_corpus
 
     if path.is_file():
         return
@@ -89,7 +89,7 @@ def build_corpus(directories: list[Path], globs: str, work: Path, vocab: int, sa
     `run`), and choose data.valid_fraction so that the validation split holds
     `min_valid_tokens` when the corpus allows. A rerun with the same `work` reuses the tokenizer
     and the dataset (refused if the files differ)."""
-    from trainer.data import indexed_valid_fraction
+    from trainer.data.datasets import indexed_valid_fraction
 
     patterns = parse_patterns(globs)
     roots = [d.resolve() for d in directories]
@@ -152,7 +152,7 @@ def build_corpus(directories: list[Path], globs: str, work: Path, vocab: int, sa
 def count_epochs(corpus: Corpus, tokenizer: Path, seq: int, samples: int,
                  retrieval_fraction: float) -> None:
     """Fill in the split's sizes and the epochs `samples` training samples make; log them."""
-    from trainer.data import build_datasets
+    from trainer.data.datasets import build_datasets
 
     train, valid, _ = build_datasets("indexed", corpus.prefix, str(tokenizer), seq,
                                      corpus.valid_fraction, seed=0)

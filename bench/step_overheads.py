@@ -4,7 +4,7 @@
 
 Three settings of the same gpt_1p3b run (fused norm and RoPE): megatron's apex-less multi-tensor
 fallbacks with the micro-batches read at each step's start (the state before issue 18's host
-work), `trainer.multi_tensor`'s foreach ops (no host sync per parameter tensor), and those plus
+work), `parallel.multi_tensor`'s foreach ops (no host sync per parameter tensor), and those plus
 `data.read_ahead` (the next batches read while the backward is queued). Each round runs every
 setting once; the figure is the median step over all rounds' timed steps, and its ratio to the
 first setting's. Machine-to-machine spread (~1%) is larger than these effects: compare rows of
@@ -31,10 +31,10 @@ if __package__ in (None, ""):  # `python bench/step_overheads.py`: make the repo
 import torch  # noqa: E402
 
 from bench.train import run_case  # noqa: E402
-from trainer import multi_tensor  # noqa: E402
+from parallel import multi_tensor  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 
-SETTINGS = [  # (name, trainer.multi_tensor installed, data.read_ahead)
+SETTINGS = [  # (name, parallel.multi_tensor installed, data.read_ahead)
     ("megatron fallbacks, batches read at step start", False, False),
     ("foreach multi-tensor ops", True, False),
     ("foreach + data.read_ahead (default)", True, True),

@@ -33,7 +33,7 @@ from models.schema import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
-BYTE_VOCAB = 257  # trainer.tokenizer.ByteTokenizer: 256 bytes + end of document
+BYTE_VOCAB = 257  # trainer.data.tokenizer.ByteTokenizer: 256 bytes + end of document
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

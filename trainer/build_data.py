@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer.corpus_files import DEFAULT_PATTERNS, collect_files, parse_patterns
+from trainer.data.corpus_files import DEFAULT_PATTERNS, collect_files, parse_patterns
+from trainer.data.tokenizer import load_tokenizer
 from trainer.entry import USER_ERRORS, debug_requested, report_user_error
 from trainer.errors import UserError
-from trainer.tokenizer import load_tokenizer
 
 _BATCH_DOCS = 256  # documents per encode_batch call: enough for `tokenizers` to parallelise
 

@@ -54,7 +54,7 @@ def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.de
     from ckpt.load import load_model_weights
     from ckpt.reader import Checkpoint
     from models.gpt import BuildOptions, build_model
-    from trainer.data import load_tokenizer
+    from trainer.data.datasets import load_tokenizer
     from trainer.init_from import checkpoint_vocab
 
     spec = saved.data.tokenizer
@@ -153,9 +153,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from models.attention.dca_scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, shutdown
     from parallel.process_group import resolve_device
-    from trainer.data import build_datasets
-    from trainer.evaluate import attention_by_distance, passkey_accuracy, perplexity_by_length
-    from trainer.retrieval import multikey_accuracy
+    from trainer.data.datasets import build_datasets
+    from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
+    from trainer.evals.retrieval import multikey_accuracy
 
     check_known_keys(cfg)
     validate_eval(cfg)

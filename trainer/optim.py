@@ -3,7 +3,7 @@
 Without apex or Transformer Engine megatron-core falls back to `torch.optim.AdamW` in its default
 multi-tensor (foreach) form: several passes over every fp32 state tensor per step. On the GPU
 `use_fused_adam` switches it to torch's fused AdamW, one pass (docs/benchmarks.md); its grad norm
-and main-to-model param copy run through `trainer.multi_tensor` (no host sync per tensor).
+and main-to-model param copy run through `parallel.multi_tensor` (no host sync per tensor).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from omegaconf import DictConfig
 
-from trainer import multi_tensor
+from parallel import multi_tensor
 
 
 def build_optimizer(cfg: DictConfig, chunks: list[torch.nn.Module], bf16: bool):

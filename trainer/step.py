@@ -112,8 +112,8 @@ def train_step(chunks: list[torch.nn.Module], optimizer: Any, batches: list[Batc
 
 
 @torch.no_grad()
-def evaluate(chunks: list[torch.nn.Module], batches: list[Batch], seq_length: int,
-             device: torch.device) -> float:
+def validation_loss(chunks: list[torch.nn.Module], batches: list[Batch], seq_length: int,
+                    device: torch.device) -> float:
     """Mean per-token loss over `batches` (forward only, through the same schedule)."""
     for chunk in chunks:
         chunk.eval()

@@ -27,14 +27,14 @@ from parallel.distributed import (
 )
 from parallel.process_group import resolve_device
 from trainer.config import check_known_keys
-from trainer.data import DataIterator, build_datasets, validation_batches
+from trainer.data.datasets import DataIterator, build_datasets, validation_batches
+from trainer.evals.passkey import PasskeyMix
 from trainer.init_from import adopt_saved_model
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.passkey import PasskeyMix
 from trainer.resume import apply_optimizer_settings, resume_point
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
-from trainer.step import evaluate, train_step
+from trainer.step import train_step, validation_loss
 from trainer.stop import StopOnSignal, Stopped
 from trainer.validate import check_datasets, validate_train
 
@@ -192,10 +192,10 @@ class Trainer:
         read at the step's start they left the GPU idle 4-6 ms per 32K-token step (H100)."""
         self._ahead = self._read()
 
-    def evaluate(self) -> float:
+    def validation_loss(self) -> float:
         batches = validation_batches(self.valid_ds, self.cfg.trainer.micro_batch_size,
                                      self.cfg.trainer.eval_batches)
-        return evaluate(self.model, list(batches), self.cfg.trainer.seq_length, self.device)
+        return validation_loss(self.model, list(batches), self.cfg.trainer.seq_length, self.device)
 
     def save(self) -> Path:
         root = checkpoints_root(self.cfg, self.run_dir)
@@ -248,7 +248,7 @@ class Trainer:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.step}")
             if t.eval_interval and self.step % t.eval_interval == 0:
-                row["val_loss"] = self.evaluate()
+                row["val_loss"] = self.validation_loss()
             if self.step % t.log_interval == 0 or "val_loss" in row:
                 self.metrics.log(row)
                 log.info(_format(row))

@@ -23,8 +23,8 @@ from tests.conftest import own_session  # noqa: E402
 
 
 def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_path: Path) -> None:
-    from trainer.data import embedded_corpus
-    from trainer.tokenizer import load_tokenizer
+    from trainer.data.datasets import embedded_corpus
+    from trainer.data.tokenizer import load_tokenizer
 
     path = tmp_path / "tokenizer.json"
     extrapolation_corpus.embedded_tokenizer(path, 300, max_documents=3)
@@ -39,8 +39,8 @@ def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_pa
 
 def _eval_json(trained: int) -> dict:
     """An eval.json as trainer.eval writes it, from its own dataclasses."""
-    from trainer.evaluate import AttentionPoint, PasskeyCell, PerplexityPoint, PositionBucket
-    from trainer.retrieval import MultiKeyCell
+    from trainer.evals.measures import AttentionPoint, PasskeyCell, PerplexityPoint, PositionBucket
+    from trainer.evals.retrieval import MultiKeyCell
 
     passkey = [PasskeyCell(128, 0.0, 3, 4), PasskeyCell(128, 1.0, 1, 4),
                PasskeyCell(256, 0.0, 0, 4), PasskeyCell(256, 1.0, 2, 4)]
@@ -173,7 +173,7 @@ def test_corpus_dataset_validation_share_and_reuse(tmp_path: Path) -> None:
     """--corpus: the dataset holds the directory's files, the validation split holds what the
     evaluation needs (more than the default 5% would), and a rerun with other files is refused."""
     from trainer.build_data import main as build_main
-    from trainer.data import build_datasets
+    from trainer.data.datasets import build_datasets
 
     src = tmp_path / "src"
     for i in range(40):

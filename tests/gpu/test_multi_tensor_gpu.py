@@ -1,4 +1,4 @@
-"""trainer.multi_tensor on the GPU: no host sync (megatron's fallback norm syncs per tensor) and
+"""parallel.multi_tensor on the GPU: no host sync (megatron's fallback norm syncs per tensor) and
 megatron's fallback results, fp32 grads and the fp32 -> bf16 param copy."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core import utils as megatron_utils
 
-from trainer import multi_tensor
+from parallel import multi_tensor
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

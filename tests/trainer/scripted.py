@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.decoding import logits_of
-from trainer.passkey import answer_text
+from trainer.evals.decoding import logits_of
+from trainer.evals.passkey import answer_text
 
 # The answer starts after either question: passkey's or multi-key's (any name).
 QUESTION = re.compile(r"What is the pass key(?: for (\w+))?\? The pass key (?:for \w+ )?is$")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from trainer.build_data import main as build_main
-from trainer.corpus_files import collect_files, parse_patterns
-from trainer.data import indexed_valid_fraction, smallest_valid_fraction, split_by_hash
-from trainer.tokenizer import ByteTokenizer
+from trainer.data.corpus_files import collect_files, parse_patterns
+from trainer.data.datasets import indexed_valid_fraction, smallest_valid_fraction, split_by_hash
+from trainer.data.tokenizer import ByteTokenizer
 
 # (relative path, content): what a corpus directory holds; KEPT is what must be collected.
 TREE = [
@@ -106,7 +106,7 @@ def test_indexed_valid_fraction_holds_the_tokens(tmp_path: Path) -> None:
         path.write_text("w" * (50 + 10 * i))
     prefix = str(tmp_path / "ds")
     assert build_main([*map(str, docs), "--output-prefix", prefix]) == 0
-    from trainer.data import build_datasets
+    from trainer.data.datasets import build_datasets
 
     for need in (60, 500, 1500):
         fraction = indexed_valid_fraction(prefix, need)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.build_data import main as build_main
-from trainer.data import (
+from trainer.data.datasets import (
     ByteTokenizer,
     DataIterator,
     JsonTokenizer,

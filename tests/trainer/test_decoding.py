@@ -21,12 +21,11 @@ from tests.trainer.scripted import (
     greedy_continue,
     noisy_script,
 )
-from trainer.data import ByteTokenizer
-from trainer.decoding import judge, teacher_forced_prefix
-from trainer.evaluate import passkey_accuracy
-from trainer.passkey import FILLER, QUESTION, answer_text, passkey_prompt, random_key
-from trainer.retrieval import NAMES, multikey_accuracy, multikey_prompt
-from trainer.tokenizer import JsonTokenizer
+from trainer.data.tokenizer import ByteTokenizer, JsonTokenizer
+from trainer.evals.decoding import judge, teacher_forced_prefix
+from trainer.evals.measures import passkey_accuracy
+from trainer.evals.passkey import FILLER, QUESTION, answer_text, passkey_prompt, random_key
+from trainer.evals.retrieval import NAMES, multikey_accuracy, multikey_prompt
 
 CPU = torch.device("cpu")
 WORDS = "river stone lamp orchard window thunder paper copper meadow lantern".split()

@@ -12,9 +12,10 @@ import torch
 
 from tests.conftest import compose_config
 from tests.trainer.scripted import ScriptedModel, asked_and_others, follow, greedy_continue
-from trainer.data import ByteTokenizer, DataIterator
-from trainer.evaluate import passkey_accuracy, perplexity_by_length
-from trainer.passkey import QUESTION, PasskeyMix, passkey_prompt
+from trainer.data.datasets import DataIterator
+from trainer.data.tokenizer import ByteTokenizer
+from trainer.evals.measures import passkey_accuracy, perplexity_by_length
+from trainer.evals.passkey import QUESTION, PasskeyMix, passkey_prompt
 
 TOK = ByteTokenizer()
 

@@ -16,7 +16,7 @@ from tests.ckpt import hf_models
 from tests.ckpt.hf_models import VOCAB, save_tokenizer
 from tests.conftest import compose_config
 from trainer.build_data import build
-from trainer.tokenizer import load_tokenizer
+from trainer.data.tokenizer import load_tokenizer
 
 hf_imported = hf_models.hf_imported  # the shared fixture
 

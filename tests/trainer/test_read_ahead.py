@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import trainer.step
-from trainer.data import DataIterator
+from trainer.data.datasets import DataIterator
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.trainer.scripted import ScriptedModel, asked_and_others, follow
-from trainer import retrieval
-from trainer.data import ByteTokenizer
-from trainer.evaluate import bucket_edges, perplexity_by_length
-from trainer.retrieval import multikey_accuracy, multikey_prompt, needle_text, question_text
+from trainer.data.tokenizer import ByteTokenizer
+from trainer.evals import retrieval
+from trainer.evals.measures import bucket_edges, perplexity_by_length
+from trainer.evals.retrieval import multikey_accuracy, multikey_prompt, needle_text, question_text
 
 TOK = ByteTokenizer()
 CPU = torch.device("cpu")

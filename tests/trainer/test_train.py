@@ -141,7 +141,8 @@ def test_retrieval_examples_reach_the_training_batches(run_training,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """data.passkey_fraction / multikey_fraction / multikey_keys build the mix the data
     iterator applies: both kinds of example are drawn during a short run."""
-    from trainer import passkey, train
+    from trainer import train
+    from trainer.evals import passkey
 
     drawn: list[str] = []
 

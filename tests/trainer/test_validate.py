@@ -16,7 +16,7 @@ from ckpt.reader import CheckpointError
 from parallel.distributed import shutdown
 from tests.conftest import FAST, compose_config
 from trainer.build_data import main as build_main
-from trainer.data import build_datasets
+from trainer.data.datasets import build_datasets
 from trainer.errors import UserError
 from trainer.train import Trainer, train
 from trainer.validate import check_attention_selection, validate_train

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer.decoding import greedy_starts_with, logits_of
 from trainer.errors import UserError
-from trainer.passkey import answer_text, passkey_prompt, random_key
+from trainer.evals.decoding import greedy_starts_with, logits_of
+from trainer.evals.passkey import answer_text, passkey_prompt, random_key
 
 
 @dataclass
@@ -71,7 +71,7 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
     with the key's (compared as text: a subword tokenizer's key may take a different number of
     tokens from trial to trial, or be produced with another split of the same digits, up to one
     token per digit; the budget does not depend on the batch). Graded
-    with teacher forcing, about one forward per trial (`trainer.decoding`)."""
+    with teacher forcing, about one forward per trial (`trainer.evals.decoding`)."""
     rng = np.random.default_rng(seed)
     cells = []
     grid = [(length, depth) for length in lengths for depth in depths]

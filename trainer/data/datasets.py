@@ -22,9 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.corpus_files import collect_files
+from trainer.data.corpus_files import collect_files
+from trainer.data.tokenizer import (
+    ByteTokenizer,
+    JsonTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    token_dtype,
+)
 from trainer.errors import UserError
-from trainer.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 __all__ = [
     "ByteTokenizer", "JsonTokenizer", "load_tokenizer", "embedded_corpus", "TokenStreamDataset",

@@ -1,4 +1,4 @@
-"""trainer.multi_tensor against megatron's own apex-less fallbacks (the oracle it replaces) and
+"""parallel.multi_tensor against megatron's own apex-less fallbacks (the oracle it replaces) and
 float64 references: the grad norm and the scale/copy of megatron's optimizer."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from megatron.core import utils as megatron_utils
 from megatron.core.optimizer import clip_grads, optimizer
 
+from parallel import multi_tensor
 from parallel.cpu_mode import enable_cpu_mode
-from trainer import multi_tensor
 
 enable_cpu_mode()  # megatron's fallback norm puts its result on "cuda": the CPU here
 

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer.decoding import greedy_starts_with
 from trainer.errors import UserError
-from trainer.passkey import answer_text, random_key
+from trainer.evals.decoding import greedy_starts_with
+from trainer.evals.passkey import answer_text, random_key
 
 NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
          "juniper", "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz",
@@ -130,7 +130,8 @@ def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[i
     """Correct and distractor answers per (length, depth) cell. Teacher forcing on the asked
     value grades most trials in one forward; a trial whose greedy prefix is still consistent
     with a distractor's value (or another split of a value) is decoded on until its text
-    decides every value (`trainer.decoding`), so the distractor counts are greedy decoding's."""
+    decides every value (`trainer.evals.decoding`), so the distractor counts are greedy
+    decoding's."""
     cells = []
     grid = [(length, j, depth) for length in lengths for j, depth in enumerate(depths)]
     for length, j, depth in tqdm(grid, desc="multikey", leave=False):

@@ -102,7 +102,7 @@ class PasskeyMix:
     def _multikey(self, rng: np.random.Generator, sample: torch.Tensor) -> torch.Tensor:
         """Needles in the sample's own text (document separators left out), the answer last;
         filler in front makes up for an answer shorter than its longest tokenization."""
-        from trainer.retrieval import place_needles
+        from trainer.evals.retrieval import place_needles
 
         own = [t for t in sample.tolist() if t != self.tokenizer.eod] \
             or self.tokenizer.encode(FILLER)
