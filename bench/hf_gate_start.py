@@ -30,14 +30,14 @@ from ckpt.load import load_fine_tune_start, load_model_weights  # noqa: E402
 from ckpt.paths import resolve_checkpoint  # noqa: E402
 from ckpt.reader import Checkpoint  # noqa: E402
 from models.gpt import build_model  # noqa: E402
-from models.schema import AttentionConfig, ModelConfig, ParallelConfig  # noqa: E402
+from models.schema import AttentionConfig, ParallelConfig  # noqa: E402
 from parallel.distributed import initialize_parallel, shutdown  # noqa: E402
 from tests.ckpt.hf_models import VOCAB, save_hf  # noqa: E402
 
 
 def measure(root: Path, bias: float, tokens: torch.Tensor) -> dict[str, float]:
     ckpt = resolve_checkpoint(root)
-    model = ModelConfig(**Checkpoint(ckpt).config.model)
+    model = Checkpoint(ckpt).meta.model
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     gated_attention = replace(AttentionConfig(), head_wise_attn_gate=True,
                               head_wise_attn_gate_init_bias=bias)

@@ -12,39 +12,35 @@ head-gated model has no Llama equivalent and is refused.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.hf_config import HFError, hf_config
 from ckpt.hf_import import INDEX
 from ckpt.hf_weights import Shape, hf_tensors
-from ckpt.inspect import MODEL_WEIGHT
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, Checkpoint
+from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 from models.gpt import ffn_hidden_size
 from models.schema import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
-BYTE_VOCAB = 257  # trainer.data.tokenizer.ByteTokenizer: 256 bytes + end of document
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _model(ckpt: Checkpoint) -> ModelConfig:
-    m = ModelConfig(**OmegaConf.to_container(ckpt.config.model, resolve=True))
-    m.ffn_hidden_size = ffn_hidden_size(m)
-    return m
+    return dataclasses.replace(ckpt.meta.model, ffn_hidden_size=ffn_hidden_size(ckpt.meta.model))
 
 
 def _refusals(ckpt: Checkpoint, m: ModelConfig) -> list[str]:
-    att = ckpt.config.attention
+    att = ckpt.meta.attention
     problems = []
     if att.head_wise_attn_gate:
         problems.append("attention.head_wise_attn_gate: a head-gated model cannot be expressed "
@@ -57,7 +53,7 @@ def _refusals(ckpt: Checkpoint, m: ModelConfig) -> list[str]:
 
 def _longctx(ckpt: Checkpoint) -> dict[str, Any]:
     """The attention variant's settings, recorded under config.json's "longctx" key."""
-    att = ckpt.config.attention
+    att = ckpt.meta.attention
     if att.kind == "dca":
         return {"attention": "dca", "dca_chunk_size": att.dca_chunk_size,
                 "dca_local_size": att.dca_local_size}
@@ -68,15 +64,10 @@ def _longctx(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def export_vocab(ckpt: Checkpoint) -> int:
-    """The vocabulary to export, padding rows dropped: an imported model's `vocab_size`, the one
-    the trainer recorded (`extra.vocab_size`: the tokenizer's, or the imported model's when
-    fine-tuned from one), 257 for a byte-tokenizer run saved before that was recorded, else
-    every embedding row."""
-    rows = ckpt.tensors[MODEL_WEIGHT].shape[0]
-    known = (ckpt.extra.get("hf_source") or {}).get("vocab_size") or ckpt.extra.get("vocab_size")
-    if not known and str(ckpt.config.get("data", {}).get("tokenizer")) == "byte":
-        known = BYTE_VOCAB
-    return min(known or rows, rows)
+    """The vocabulary to export, padding rows dropped: the one the checkpoint records (an
+    imported model's `vocab_size`, the tokenizer's for a trained one), never above the
+    embedding's rows."""
+    return min(ckpt.meta.vocab_size, ckpt.tensors[MODEL_WEIGHT].shape[0])
 
 
 def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
@@ -91,7 +82,7 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
     vocab = export_vocab(ckpt)
     dtype = ckpt.tensors[MODEL_WEIGHT].dtype
     extra = {"longctx": _longctx(ckpt)} if _longctx(ckpt) else {}
-    cfg = hf_config(m, vocab, int(ckpt.config.trainer.seq_length), _DTYPES[dtype], extra)
+    cfg = hf_config(m, vocab, ckpt.meta.seq_length, _DTYPES[dtype], extra)
     dst = Path(dst)
     with staged(dst, overwrite, sources=(src_dir,)) as tmp:
         _write_weights(tmp, hf_tensors(ckpt.read, Shape.of(m), vocab), max_shard_bytes)
@@ -126,7 +117,7 @@ def _write_weights(out: Path, tensors, max_shard_bytes: int) -> None:
 
 def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     """The run's tokenizer.json and the HF tokenizer files beside it, if any."""
-    spec = str(ckpt.config.get("data", {}).get("tokenizer", "byte"))
+    spec = ckpt.meta.tokenizer
     tok = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
     if tok.suffix != ".json":
         return

@@ -7,8 +7,8 @@ config and the safetensors headers before any weight is read: the architecture a
 the shape the config implies. Then N CPU processes (gloo) build the model at TP=N through
 `models.gpt.build_model`, fill their shards from slices of the HF tensors (`safe_open`, one
 tensor slice at a time: the process tree holds about one copy of the model) and save DST with
-the trainer's writer: a model-only checkpoint at step 0, its run config (model, attention, data
-tokenizer) in `extra.config` and the source in `extra.hf_source`.
+the trainer's writer: a model-only checkpoint at step 0 whose record (`ckpt.meta`) holds the
+model, its tokenizer, its documented length (`max_position_embeddings`) and the source.
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.hf_config import HFError, architecture, model_config, read_config
 from ckpt.hf_weights import Shape, expected_hf, local_tensor
+from ckpt.meta import CheckpointMeta, HFSource
 from ckpt.save import write_checkpoint
 from models.gpt import BuildOptions, build_model, padded_vocab_size, tp_problems
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
 from parallel.lifetime import run_workers
+from parallel.placement import Layout
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
@@ -121,18 +122,6 @@ class SafetensorsSource:
             return f.get_slice(name)[:, start:stop]
 
 
-def run_config(model: ModelConfig, tp: int, seq_length: int, tokenizer: str) -> str:
-    """The run config a trainer would save for this model (the groups a checkpoint's users
-    read: model, attention, parallel, trainer, data)."""
-    return OmegaConf.to_yaml(OmegaConf.create({
-        "model": asdict(model), "attention": asdict(AttentionConfig()),
-        "parallel": asdict(ParallelConfig(tp=tp)),
-        "trainer": {"seq_length": seq_length, "seed": 1234},
-        "data": {"name": "embedded", "path": None, "tokenizer": tokenizer,
-                 "valid_fraction": 0.05, "max_documents": None, "passkey_fraction": 0.0},
-    }))
-
-
 def _worker(rank: int, tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
     """One TP rank (a spawned process): build the model at TP=`tp`, fill its shards, save."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -157,8 +146,7 @@ def _import_rank(rank: int, tp: int, store: str, out_root: str, job: dict[str, A
             for name, param in gpt.named_parameters():
                 param.copy_(local_tensor(name, shape, src, job["vocab"], built.vocab_size, tp,
                                          rank))
-        write_checkpoint(out_root, 0, {"model": gpt.sharded_state_dict(),
-                                       "extra": job["extra"]})
+        write_checkpoint(out_root, 0, {"model": gpt.sharded_state_dict(), "extra": job["meta"]})
     finally:
         shutdown()
 
@@ -183,13 +171,11 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
         raise HFError(f"cannot import {hf_dir} at TP={tp}: " + "; ".join(problems))
     seq_length = int(cfg.get("max_position_embeddings") or 4096)
     tokenizer = hf_dir / "tokenizer.json"
-    extra = {
-        "step": 0, "consumed_samples": 0, "tp": tp, "model_only": True,
-        "config": run_config(model, tp, seq_length,
-                             str(tokenizer) if tokenizer.is_file() else "byte"),
-        "hf_source": {"path": str(hf_dir), "architecture": arch, "vocab_size": vocab,
-                      "config_json": json.dumps(cfg)},
-    }
+    meta = CheckpointMeta(
+        model=model, attention=AttentionConfig(), layout=Layout(tp=tp), seq_length=seq_length,
+        vocab_size=vocab, tokenizer=str(tokenizer) if tokenizer.is_file() else "byte",
+        model_only=True, hf_source=HFSource(path=str(hf_dir), architecture=arch,
+                                            vocab_size=vocab, config_json=json.dumps(cfg)))
     padded = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
     print(f"{hf_dir.name}: {arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
           f"heads {model.num_attention_heads}/{model.num_query_groups}, vocab {vocab} (padded "
@@ -199,7 +185,7 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
         print(f"dry run: would write {Path(dst)}/iter_0000000 (nothing written)")
         return
     job = {"model": asdict(model), "vocab": vocab, "dtype": dtype, "seq_length": seq_length,
-           "files": {k: str(v) for k, v in files.items()}, "extra": extra}
+           "files": {k: str(v) for k, v in files.items()}, "meta": meta.to_saved()}
     dst = Path(dst)
     with staged(dst, overwrite, sources=(hf_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
         if tp == 1 and not dist.is_initialized():

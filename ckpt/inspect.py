@@ -5,21 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from dataclasses import asdict
 from typing import Any
-
-from omegaconf import OmegaConf
 
 from ckpt.layout import tp_layout
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, Checkpoint
-
-MODEL_WEIGHT = "embedding.word_embeddings.weight"
+from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:
     """Step, run settings, TP size, tensors (global shape, dtype, bytes, TP split), sizes."""
-    cfg = ckpt.config
-    swiglu = bool(cfg.model.swiglu)
+    meta = ckpt.meta
+    swiglu = meta.model.swiglu
     tensors = [
         {"key": t.key, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
          "bytes": t.nbytes, "tp_split": tp_layout(t.key, swiglu).describe()}
@@ -29,14 +26,17 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
     weights = ckpt.tensors.get(MODEL_WEIGHT)
     return {
         "path": str(ckpt.path),
-        "step": ckpt.step,
-        "consumed_samples": ckpt.extra.get("consumed_samples"),
-        "tp": ckpt.tp,
-        "layout": ckpt.extra.get("layout", {"tp": ckpt.tp}),
-        "model_only": bool(ckpt.extra.get("model_only", False)),
+        "step": meta.step,
+        "consumed_samples": meta.consumed_samples,
+        "tp": meta.layout.tp,
+        "layout": meta.layout.to_dict(),
+        "model_only": meta.model_only,
         "weights_dtype": str(weights.dtype).removeprefix("torch.") if weights else None,
-        "model": OmegaConf.to_container(cfg.model),
-        "attention": OmegaConf.to_container(cfg.attention),
+        "model": asdict(meta.model),
+        "attention": asdict(meta.attention),
+        "seq_length": meta.seq_length,
+        "vocab_size": meta.vocab_size,
+        "tokenizer": meta.tokenizer,
         "bytes_on_disk": ckpt.bytes_on_disk(),
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "tensors": tensors,
@@ -72,6 +72,8 @@ def print_description(d: dict[str, Any]) -> None:
     print("  layout " + " ".join(f"{k}={v}" for k, v in layout.items()))
     print(f"  on disk {human_bytes(d['bytes_on_disk'])}, tensors {human_bytes(d['tensor_bytes'])}")
     print(f"  model {model['name']}: {_settings(model)}")
+    print(f"  sequence length {d['seq_length']}, vocabulary {d['vocab_size']}, tokenizer "
+          f"{d['tokenizer']}")
     print(f"  attention {attention['kind']}: {_settings(attention)}")
     rows = [[t["key"], "x".join(map(str, t["shape"])), t["dtype"], human_bytes(t["bytes"]),
              t["tp_split"]] for t in d["tensors"]]

@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
+from ckpt.meta import CheckpointMeta
 from ckpt.optimizer_format import (
     DISTRIBUTED,
     convert_loaded,
@@ -50,21 +51,21 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not fit the model it is loaded into (nothing was loaded)."""
 
 
-def saved_extra(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-    """The plain-Python part of a checkpoint (step, config, data position, wandb id)."""
-    return Checkpoint(ckpt_dir).extra
+Source = str | os.PathLike | Checkpoint  # a checkpoint's directory, or the checkpoint opened
 
 
-def open_checked(ckpt_dir: str | os.PathLike) -> Checkpoint:
+def open_checked(source: Source) -> Checkpoint:
     """The checkpoint, checked on every rank (collective): files present and long enough, the
     checksum manifest (or, in checkpoints saved without one, the items' CRCs; each rank checks a
-    share) and pickles. Raises `CheckpointError` listing every
+    share), pickles and its record (`ckpt.meta`). Raises `CheckpointError` listing every
     problem on every rank, so no rank goes on to wait for the others."""
     problems: list[str] = []
     ckpt = None
+    ckpt_dir = source.path if isinstance(source, Checkpoint) else source
     share = (dist.get_rank(), dist.get_world_size())
     try:
-        ckpt = Checkpoint(ckpt_dir)
+        ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+        ckpt.meta  # noqa: B018 (read and checked once, here)
         problems = ckpt.check_files()
         if not problems and has_manifest(ckpt.path):
             # The hashes cover every byte: the items' CRCs would only repeat them.
@@ -84,18 +85,17 @@ def open_checked(ckpt_dir: str | os.PathLike) -> Checkpoint:
     return ckpt
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
-                    scheduler: Any) -> dict[str, Any]:
+def load_checkpoint(source: Source, model: torch.nn.Module, optimizer: Any,
+                    scheduler: Any) -> CheckpointMeta:
     """Load model, optimizer, scheduler and (when saved at this TP size) RNG state; returns
-    `extra`.
+    the checkpoint's record.
 
     Model and optimizer state reshard to the current TP size; RNG states are per TP rank and are
     restored only when the checkpoint holds them for the current TP size.
     """
-    ckpt = open_checked(ckpt_dir)
-    extra = ckpt.extra
-    if optimizer is not None and extra.get("model_only"):
-        raise CheckpointError(f"{ckpt_dir} holds model weights only (written by `python -m ckpt "
+    ckpt = open_checked(source)
+    if optimizer is not None and ckpt.meta.model_only:
+        raise CheckpointError(f"{ckpt.path} holds model weights only (written by `python -m ckpt "
                               "reshape --model-only`): there is no optimizer state to resume from")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -105,7 +105,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     mismatches = architecture_mismatches(ckpt, chunk_list(model)[0].config)
     mismatches += template_mismatches(ckpt, template, with_optimizer=optimizer is not None,
                                       unread=switch.unread)
-    loaded = _load_if_fits(ckpt_dir, template, mismatches)
+    loaded = _load_if_fits(ckpt.path, template, mismatches)
     load_model_state(model, loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(switch.converted(loaded))
@@ -115,7 +115,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimiz
         set_rng_state(loaded["rng_state"])
     else:
         log.info("the checkpoint holds no RNG states for TP=%d PP=%d: they start fresh", tp, pp)
-    return extra
+    return ckpt.meta
 
 
 class _FormatSwitch:
@@ -157,24 +157,24 @@ class _FormatSwitch:
                               self.target)
 
 
-def load_model_weights(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+def load_model_weights(source: Source, model: torch.nn.Module) -> CheckpointMeta:
     """Model weights only (evaluation), with `load_checkpoint`'s file and shape checks; the
     model's attention variant may differ from the saved one as long as its tensors match.
-    Returns `extra`."""
-    ckpt = open_checked(ckpt_dir)
+    Returns the checkpoint's record."""
+    ckpt = open_checked(source)
     template = training_state(model, None, is_loading=True, with_rng=False)
     mismatches = template_mismatches(ckpt, template, with_optimizer=False)
-    load_model_state(model, _load_if_fits(ckpt_dir, template, mismatches)["model"])
-    return ckpt.extra
+    load_model_state(model, _load_if_fits(ckpt.path, template, mismatches)["model"])
+    return ckpt.meta
 
 
 # The one deliberate gap a load allows: the head gate's rows (see `load_fine_tune_start`).
 _GATED = ("linear_qkv.weight", "linear_qkv.bias")
 
 
-def load_fine_tune_start(ckpt_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+def load_fine_tune_start(source: Source, model: torch.nn.Module) -> CheckpointMeta:
     """Model weights of a model-only checkpoint (`import-hf`, `reshape --model-only`) into a model
-    about to be fine-tuned; returns `extra`.
+    about to be fine-tuned; returns the checkpoint's record.
 
     `load_model_weights`' checks with one narrow exception: a head-gated model may start from a
     checkpoint saved without the gate (an imported model gets `+attention=head_gate`). Then, and
@@ -184,9 +184,9 @@ def load_fine_tune_start(ckpt_dir: str | os.PathLike, model: torch.nn.Module) ->
     q/k/v biases: 2.0, sigmoid = 0.88). Any other missing or misshapen tensor is refused as
     always.
     """
-    ckpt = open_checked(ckpt_dir)
-    if not ckpt.extra.get("model_only"):
-        raise CheckpointError(f"{ckpt_dir} is a training checkpoint, not a model-only one: "
+    ckpt = open_checked(source)
+    if not ckpt.meta.model_only:
+        raise CheckpointError(f"{ckpt.path} is a training checkpoint, not a model-only one: "
                               "resume from it instead")
     template = training_state(model, None, is_loading=True, with_rng=False)
     chunks = chunk_list(model)
@@ -199,10 +199,10 @@ def load_fine_tune_start(ckpt_dir: str | os.PathLike, model: torch.nn.Module) ->
 
         template["model"] = (qkv_only(template["model"]) if len(chunks) == 1 else
                              {name: qkv_only(state) for name, state in template["model"].items()})
-        log.info("%s has no head gate: the gate rows keep their initial values", ckpt_dir)
+        log.info("%s has no head gate: the gate rows keep their initial values", ckpt.path)
     mismatches = template_mismatches(ckpt, template, with_optimizer=False)
-    load_model_state(model, _load_if_fits(ckpt_dir, template, mismatches)["model"])
-    return ckpt.extra
+    load_model_state(model, _load_if_fits(ckpt.path, template, mismatches)["model"])
+    return ckpt.meta
 
 
 def _qkv_only(factory: Any) -> Any:
@@ -238,12 +238,9 @@ def _load_if_fits(ckpt_dir: str | os.PathLike, template: dict[str, Any],
 
 
 def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:
-    """Model settings that differ between the checkpoint's saved config and `config`."""
-    if "config" not in ckpt.extra:
-        return []
-    saved = ckpt.config
+    """Model settings that differ between the checkpoint's record and `config`."""
     try:
-        saved_config = transformer_config(saved.model, saved.attention)
+        saved_config = transformer_config(ckpt.meta.model, ckpt.meta.attention)
     except (AttributeError, KeyError, ValueError) as e:  # a config from another schema version
         log.warning("cannot rebuild the checkpoint's model config (%s): checking tensors only", e)
         return []

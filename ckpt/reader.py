@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import io
 import json
@@ -31,12 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+
+from ckpt.meta import CheckpointMeta, MetaError
 
 # Modules whose dataclasses and enums make up torch DCP's `.metadata` pickle.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                 "torch.distributed.checkpoint.filesystem")
 
+
+# The embedding: its rows are the padded vocabulary.
+MODEL_WEIGHT = "embedding.word_embeddings.weight"
 
 # Help text of every command's checkpoint argument (what `resolve_checkpoint` accepts).
 CHECKPOINT_HELP = "a checkpoints root (its latest checkpoint) or an iter_* directory"
@@ -169,25 +174,18 @@ class Checkpoint:
             raise CheckpointError(f"{common} is missing and {index} holds no {COMMON_OBJECT!r} "
                                   "object: the checkpoint's common state is lost")
 
-    @property
-    def extra(self) -> dict[str, Any]:
-        """Step, data position, TP size, config and wandb id saved by the trainer."""
-        return self.common.get("extra", {})
-
-    @property
-    def step(self) -> int:
-        return int(self.extra.get("step", 0))
-
-    @property
-    def tp(self) -> int:
-        return int(self.extra.get("tp", 1))
-
-    @property
-    def config(self) -> DictConfig:
-        """The resolved run config the checkpoint was saved with."""
-        if "config" not in self.extra:
-            raise CheckpointError(f"{self.path / 'common.pt'} holds no run config (extra.config)")
-        return OmegaConf.create(self.extra["config"])
+    @functools.cached_property
+    def meta(self) -> CheckpointMeta:
+        """The checkpoint's typed record: model, attention, layout, vocabulary, step, source."""
+        extra = self.common.get("extra")
+        where = str(self.path / "common.pt")
+        if extra is None:
+            raise CheckpointError(f"{where} holds no checkpoint record (extra)")
+        rows = self.tensors[MODEL_WEIGHT].shape[0] if MODEL_WEIGHT in self.tensors else 0
+        try:
+            return CheckpointMeta.from_saved(extra, rows, where)
+        except MetaError as e:
+            raise CheckpointError(str(e)) from e
 
     def files(self) -> list[Path]:
         """Every file of the checkpoint (the chunk files the index names, sorted)."""

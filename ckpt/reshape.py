@@ -28,20 +28,18 @@ import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ckpt.destination import add_destination_arguments, staged
-from ckpt.inspect import MODEL_WEIGHT
 from ckpt.layout import is_optimizer_key, model_key
 from ckpt.load import CheckpointMismatchError, expected_entries, open_checked, template_mismatches
 from ckpt.optimizer_format import DISTRIBUTED, MASTER, PREFIX, convert_common
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, Checkpoint
+from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 from ckpt.reshape_plan import (
-    Layout,
     PlanRow,
     has_master_weights,
+    optimizer_format,
     plan,
     print_plan,
     source_layout,
@@ -55,6 +53,7 @@ from models.schema import ParallelConfig
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
 from parallel.lifetime import run_workers
+from parallel.placement import Layout
 
 
 class ReshapeError(RuntimeError):
@@ -73,7 +72,7 @@ def _state_names(ckpt: Checkpoint, source: Layout, target: Layout) -> dict[str, 
         new = target_key(f"{PREFIX}{name}.x", source, target, master)
         if new is not None:
             names[new.split(".")[2]] = name
-    if target.optimizer_format == DISTRIBUTED and MASTER[DISTRIBUTED] not in names:
+    if optimizer_format(target) == DISTRIBUTED and MASTER[DISTRIBUTED] not in names:
         names[MASTER[DISTRIBUTED]] = None
     return names
 
@@ -113,8 +112,7 @@ def _worker(rank: int, world: int, store: str, src: str, out_root: str, target: 
     stages = tqdm(total=3, desc=f"reshape ({world} ranks)", disable=rank != 0)
     try:
         ckpt = open_checked(src)  # files, CRCs and pickles: each rank checks a share
-        initialize_parallel(torch.device("cpu"), target.tp, ckpt.config.trainer.seed,
-                            pp=target.pp)
+        initialize_parallel(torch.device("cpu"), target.tp, ckpt.meta.seed or 0, pp=target.pp)
         model = _rebuild_model(ckpt, target)
         names = _state_names(ckpt, source_layout(ckpt), target)
         buffers: Buffers = {}
@@ -131,7 +129,7 @@ def _worker(rank: int, world: int, store: str, src: str, out_root: str, target: 
         if not model_only:
             _fill_from_model(model.sharded_state_dict(), names, buffers)
         stages.update()
-        write_checkpoint(out_root, ckpt.step, {**_target_common(ckpt, target, model_only),
+        write_checkpoint(out_root, ckpt.meta.step, {**_target_common(ckpt, target, model_only),
                                                **template(saving=True)})
         stages.update()
     finally:
@@ -140,12 +138,12 @@ def _worker(rank: int, world: int, store: str, src: str, out_root: str, target: 
 
 
 def _rebuild_model(ckpt: Checkpoint, target: Layout) -> torch.nn.Module:
-    """This rank's chunk of the checkpoint's model at `target` from its saved config, in the
+    """This rank's chunk of the checkpoint's model at `target` from its saved record, in the
     dtype it was saved in."""
-    cfg = ckpt.config
+    meta = ckpt.meta
     weights = ckpt.tensors[MODEL_WEIGHT]
-    built = build_model(cfg.model, cfg.attention, ParallelConfig(tp=target.tp, pp=target.pp),
-                        vocab_size=weights.shape[0], max_sequence_length=cfg.trainer.seq_length,
+    built = build_model(meta.model, meta.attention, ParallelConfig(tp=target.tp, pp=target.pp),
+                        vocab_size=weights.shape[0], max_sequence_length=meta.seq_length,
                         options=BuildOptions(bf16=weights.dtype == torch.bfloat16))
     if built.config.bf16:  # every parameter, norms too, as training's Float16Module casts them
         built.gpt.bfloat16()
@@ -185,26 +183,18 @@ def _fill_from_model(model_sd: dict[str, Any], names: dict[str, str | None],
 
 def _target_common(ckpt: Checkpoint, target: Layout, model_only: bool) -> dict[str, Any]:
     """SRC's common state (step, data position, scheduler...), the optimizer's in the target
-    format, with the config and layout set to `target`.
+    format, with the record's layout set to `target`.
 
     The sharded part is saved under its own key: megatron drops containers left empty once the
     sharded values are taken out, so common.pt is SRC's common state exactly."""
-    cfg = ckpt.config
     common = {k: v for k, v in ckpt.common.items()
               if not (model_only and k in ("optimizer", "scheduler"))}
     if "optimizer" in common:
-        common["optimizer"] = convert_common(common["optimizer"], target.optimizer_format,
+        common["optimizer"] = convert_common(common["optimizer"], optimizer_format(target),
                                              master_weights=has_master_weights(ckpt))
-    source = source_layout(ckpt)
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = target.tp, target.pp, None
-    cfg.parallel.distributed_optimizer = target.distributed_optimizer
-    layout = {"tp": target.tp, "pp": target.pp, "vpp": None, "cp": 1, "dp": 1,
-              "distributed_optimizer": target.distributed_optimizer}
-    common["extra"] = {**ckpt.extra, "tp": target.tp, "config": OmegaConf.to_yaml(cfg),
-                       "layout": layout, "reshaped_from_tp": ckpt.tp,
-                       "reshaped_from": dataclasses.asdict(source)}
-    if model_only:
-        common["extra"]["model_only"] = True
+    meta = ckpt.meta.replace(layout=target, reshaped_from=source_layout(ckpt),
+                             model_only=ckpt.meta.model_only or model_only)
+    common["extra"] = meta.to_saved()
     return common
 
 
@@ -224,7 +214,7 @@ def reshape(src: str | Path, dst: str | Path, tp: int | None = None, *, pp: int 
     if problems:
         raise ReshapeError(f"cannot reshape {src_dir} ({source.describe()}) to "
                            f"{target.describe()}: " + "; ".join(problems))
-    same = dataclasses.replace(source, dp=1, cp=1)
+    same = dataclasses.replace(source, dp=1, cp=1, vpp=1)
     if target == same or (model_only and (target.tp, target.pp) == (same.tp, same.pp)):
         raise ReshapeError(f"{src_dir} was saved at {target.describe()} already; nothing to do")
     rows = plan(ckpt, target, model_only)
@@ -244,7 +234,7 @@ def reshape(src: str | Path, dst: str | Path, tp: int | None = None, *, pp: int 
             raise ReshapeError(f"rank {e.error_index} died (exit code {e.exit_code})") from None
         if verify:
             _verify(ckpt, Checkpoint(resolve_checkpoint(tmp)), rows)
-    print(f"wrote {dst / src_dir.name} ({target.describe()}, step {ckpt.step}"
+    print(f"wrote {dst / src_dir.name} ({target.describe()}, step {ckpt.meta.step}"
           f"{', model only' if model_only else ''})")
 
 

@@ -9,79 +9,55 @@ output layer is tied to it), the last stage the final norm and the output layer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ckpt.inspect import MODEL_WEIGHT, format_table
+from ckpt.inspect import format_table
 from ckpt.layout import TPLayout, checked_layout, is_optimizer_key, is_stacked, model_key
 from ckpt.optimizer_format import DISTRIBUTED, MASTER, PLAIN, PREFIX, saved_format
-from ckpt.reader import Checkpoint
+from ckpt.reader import MODEL_WEIGHT, Checkpoint
 from models.gpt import tp_problems, transformer_config
+from parallel.placement import Layout, layout_problems
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where a checkpoint's tensors live: TP and PP sizes (DP and CP replicas: `dp`, `cp`) and
-    the optimizer format."""
-
-    tp: int
-    pp: int
-    distributed_optimizer: bool
-    dp: int = 1
-    cp: int = 1
-
-    @property
-    def optimizer_format(self) -> str:
-        return DISTRIBUTED if self.distributed_optimizer else PLAIN
-
-    def describe(self) -> str:
-        replicas = "".join(f" {n.upper()}={v}" for n, v in (("cp", self.cp), ("dp", self.dp))
-                           if v > 1)
-        return (f"TP={self.tp} PP={self.pp}{replicas} distributed_optimizer="
-                f"{str(self.distributed_optimizer).lower()}")
-
-    def ranks(self, tp_rank: int, pp_rank: int) -> list[int]:
-        """Every rank holding TP rank `tp_rank` of stage `pp_rank` (its CP and DP replicas)."""
-        return [tp_rank + self.tp * (c + self.cp * (d + self.dp * pp_rank))
-                for d in range(self.dp) for c in range(self.cp)]
+def optimizer_format(layout: Layout) -> str:
+    """The optimizer-state format a layout's checkpoint holds (`ckpt.optimizer_format`)."""
+    return DISTRIBUTED if layout.distributed_optimizer else PLAIN
 
 
 def source_layout(ckpt: Checkpoint) -> Layout:
-    saved = ckpt.extra.get("layout", {})
-    return Layout(tp=ckpt.tp, pp=saved.get("pp", 1),
-                  distributed_optimizer=saved_format(ckpt.common.get("optimizer")) == DISTRIBUTED,
-                  dp=saved.get("dp", 1), cp=saved.get("cp", 1))
+    """Where the checkpoint's tensors live; the optimizer format is the one it stores."""
+    return dataclasses.replace(
+        ckpt.meta.layout,
+        distributed_optimizer=saved_format(ckpt.common.get("optimizer")) == DISTRIBUTED)
 
 
 def target_problems(ckpt: Checkpoint, target: Layout) -> list[str]:
     """Everything that keeps the checkpoint's model from running at `target` (empty: it fits)."""
     tp, pp = target.tp, target.pp
-    bad = [f"--target-{n} must be at least 1 (got {v})" for n, v in (("tp", tp), ("pp", pp))
-           if v < 1]
-    if bad:
-        return bad
-    m = ckpt.config.model
+    meta = ckpt.meta
+    m = meta.model
+    problems = layout_problems(tp, pp=pp, num_layers=m.num_layers, name="--target-{}".format)
+    if tp < 1 or pp < 1:
+        return problems  # the checks below divide by them
     vocab = ckpt.tensors[MODEL_WEIGHT].shape[0]
-    problems = []
-    if m.num_layers % pp:
-        problems.append(f"model.num_layers ({m.num_layers}) is not divisible by {pp}: each "
-                        "pipeline stage needs the same number of layers")
     problems += tp_problems(m, tp)
     if vocab % tp:
         problems.append(f"the padded vocabulary ({vocab} rows) is not divisible by {tp}; the "
                         "padding is fixed in the checkpoint")
-    swiglu = bool(m.swiglu)
+    swiglu = m.swiglu
     # each tensor's own split, for what the model-level checks miss (their failures imply it)
     for info in [] if problems else ckpt.tensors.values():
-        problem = checked_layout(info, swiglu, ckpt.tp).problem(info.key, info.shape, tp)
+        problem = checked_layout(info, swiglu, meta.layout.tp).problem(info.key, info.shape, tp)
         if problem and not is_optimizer_key(info.key):
             problems.append(problem)
-    if target.distributed_optimizer and ckpt.extra.get("model_only"):
+    if target.distributed_optimizer and meta.model_only:
         problems.append("--target-dist-opt on: the checkpoint holds model weights only")
     if not problems:  # megatron's own checks, for anything the list above misses
         try:
-            transformer_config(m, ckpt.config.attention, tp=tp, pp=pp)
+            transformer_config(m, meta.attention, tp=tp, pp=pp)
         except ValueError as e:
             problems.append(str(e))
     return problems
@@ -95,7 +71,7 @@ def has_master_weights(ckpt: Checkpoint) -> bool:
 def target_key(key: str, source: Layout, target: Layout, master_weights: bool) -> str | None:
     """The key a source tensor is written under at `target` (None: not written: master weights
     a plain fp32 optimizer does not keep)."""
-    src, dst = source.optimizer_format, target.optimizer_format
+    src, dst = optimizer_format(source), optimizer_format(target)
     prefix = f"{PREFIX}{MASTER[src]}."
     if src == dst or not key.startswith(prefix):
         return key
@@ -107,7 +83,7 @@ def target_key(key: str, source: Layout, target: Layout, master_weights: bool) -
 def added_keys(ckpt: Checkpoint, source: Layout, target: Layout) -> list[str]:
     """Target tensors the source lacks: the distributed optimizer's master weights, taken from
     the model weights of a plain fp32 optimizer's checkpoint."""
-    if target.optimizer_format != DISTRIBUTED or source.optimizer_format == DISTRIBUTED:
+    if optimizer_format(target) != DISTRIBUTED or optimizer_format(source) == DISTRIBUTED:
         return []
     have = {model_key(k) for k in ckpt.tensors if k.startswith(f"{PREFIX}{MASTER[PLAIN]}.")}
     moments = {model_key(k) for k in ckpt.tensors if k.startswith(f"{PREFIX}exp_avg.")}
@@ -179,12 +155,12 @@ class PlanRow:
 def plan(ckpt: Checkpoint, target: Layout, model_only: bool) -> list[PlanRow]:
     """Per tensor: its TP split and its shards before and after."""
     source = source_layout(ckpt)
-    swiglu = bool(ckpt.config.model.swiglu)
-    tied = not ckpt.config.model.get("untie_embeddings", False)
+    swiglu = ckpt.meta.model.swiglu
+    tied = not ckpt.meta.model.untie_embeddings
     master_weights = has_master_weights(ckpt)
     rows = []
     for key, info in sorted(ckpt.tensors.items()):
-        layout = checked_layout(info, swiglu, ckpt.tp)
+        layout = checked_layout(info, swiglu, ckpt.meta.layout.tp)
         new = None if model_only and is_optimizer_key(key) else \
             target_key(key, source, target, master_weights)
         rows.append(PlanRow(key, new, info.shape, layout.describe(),
@@ -192,7 +168,7 @@ def plan(ckpt: Checkpoint, target: Layout, model_only: bool) -> list[PlanRow]:
                             [] if new is None else shards(key, info.shape, layout, target, tied)))
     for key in ([] if model_only else added_keys(ckpt, source, target)):
         info = ckpt.tensors[model_key(key)]
-        layout = checked_layout(info, swiglu, ckpt.tp)
+        layout = checked_layout(info, swiglu, ckpt.meta.layout.tp)
         rows.append(PlanRow("", key, info.shape, layout.describe(), [],
                             shards(key, info.shape, layout, target, tied)))
     return rows

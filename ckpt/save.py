@@ -27,18 +27,19 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from ckpt.checksums import checkpoint_files, digests, write_manifest
+from ckpt.meta import CheckpointMeta
 from ckpt.paths import TRACKER, checkpoint_name
 from ckpt.state import training_state
 from parallel.lifetime import forks_die_with_parent
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: Any,
-                    scheduler: Any, extra: dict[str, Any], thread_count: int = 1) -> Path:
-    """Write `root/iter_<step>` atomically; `extra` (step, data position, config, wandb id...)
-    holds only plain Python values and tensors so it loads with `weights_only=True`."""
+                    scheduler: Any, meta: CheckpointMeta, thread_count: int = 1) -> Path:
+    """Write `root/iter_<step>` atomically, with the checkpoint's record `meta` (saved as plain
+    Python values, so it loads with `weights_only=True`)."""
     state = training_state(model, optimizer, is_loading=False, with_rng=True)
     state["scheduler"] = scheduler.state_dict()
-    state["extra"] = extra
+    state["extra"] = meta.to_saved()
     return write_checkpoint(root, step, state, thread_count)
 
 

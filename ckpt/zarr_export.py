@@ -1,9 +1,10 @@
 """`python -m ckpt export SRC DST --format zarr` and `python -m ckpt import SRC DST`.
 
 The export holds everything a training checkpoint holds, so an import resumes training:
-    DST/manifest.json          step, config, every tensor's shape, dtype, TP axis, chunk shape
-                               and SHA-256; the [QKV; Gate] split of head-gated layers; the
-                               common state and the RNG objects as exact JSON (`ckpt.plain`)
+    DST/manifest.json          step, the checkpoint's record (`ckpt.meta`), every tensor's
+                               shape, dtype, TP axis, chunk shape and SHA-256; the [QKV; Gate]
+                               split of head-gated layers; the common state and the RNG
+                               objects as exact JSON (`ckpt.plain`)
     DST/arrays/<key>/          one zarr v3 array per global tensor (model and optimizer state),
                                written with tensorstore, bf16 stored as bfloat16
 Each array is chunked along its TP axis so that one chunk is one piece of one rank's slice at
@@ -83,9 +84,10 @@ def export(src: str | Path, dst: str | Path, *, chunk_tp: int | None = None,
     problems = ckpt.check_files()
     if problems:
         raise ExportError("the checkpoint is damaged:\n  " + "\n  ".join(problems))
-    swiglu = bool(ckpt.config.model.swiglu)
-    chunk_tp = chunk_tp or ckpt.tp
-    layouts = {k: checked_layout(info, swiglu, ckpt.tp) for k, info in ckpt.tensors.items()}
+    meta = ckpt.meta
+    swiglu, tp = meta.model.swiglu, meta.layout.tp
+    chunk_tp = chunk_tp or tp
+    layouts = {k: checked_layout(info, swiglu, tp) for k, info in ckpt.tensors.items()}
     bad = [p for k, layout in layouts.items()
            if (p := layout.problem(k, ckpt.tensors[k].shape, chunk_tp))]
     if bad:
@@ -107,8 +109,8 @@ def export(src: str | Path, dst: str | Path, *, chunk_tp: int | None = None,
                             "chunk_shape": chunks, "sha256": _sha256(tensor)}
         manifest = {
             "format": FORMAT, "version": VERSION, "driver": DRIVER, "source": str(src_dir),
-            "step": ckpt.step, "tp": ckpt.tp, "chunk_tp": chunk_tp,
-            "config": ckpt.extra.get("config"), "tensors": tensors, "fused": _fused(tensors),
+            "step": meta.step, "tp": tp, "chunk_tp": chunk_tp,
+            "meta": meta.to_saved(), "tensors": tensors, "fused": _fused(tensors),
             "objects": {k: encode(_only(ckpt.read_object(k), k), k) for k in sorted(ckpt.objects)},
             "common": encode(ckpt.common, "common"),
         }

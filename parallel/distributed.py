@@ -12,26 +12,23 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from parallel.cpu_mode import enable_cpu_mode
+from parallel.placement import Layout, PlacementError, layout_problems
 from parallel.process_group import join_process_group
 from parallel.torch_adam import enable_torch_adam_checkpoints
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits: global rank and world, its TP, CP, DP and PP coordinates."""
+    """Where this process sits: its device, global rank, the layout of all ranks and its own
+    TP, CP, DP and PP coordinates in it."""
 
     device: torch.device
     rank: int
-    world_size: int
-    tp: int
-    tp_rank: int
-    dp: int
-    dp_rank: int
-    cp: int
-    cp_rank: int
-    pp: int = 1
+    layout: Layout
+    tp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
     pp_rank: int = 0
-    vpp: int = 1  # model chunks per pipeline stage
 
     @property
     def is_main(self) -> bool:
@@ -39,7 +36,7 @@ class Topology:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        return self.pp_rank == self.layout.pp - 1
 
 
 def init_process_group(device: torch.device) -> None:
@@ -52,24 +49,22 @@ def init_process_group(device: torch.device) -> None:
 
 
 def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1, pp: int = 1,
-                        vpp: int | None = None) -> Topology:
+                        vpp: int | None = None, distributed_optimizer: bool = False) -> Topology:
     """Process group, megatron's model-parallel groups and its RNG tracker seeds.
 
-    Ranks are laid out in megatron's default order tp-cp-ep-dp-pp: TP fastest, then CP, then DP,
-    then PP slowest (global rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))), so
-    a pipeline stage's TP groups stay on one node and stages may span nodes. Data parallelism
-    takes world / (tp * cp * pp) ranks; the CP ranks and pipeline stages of one DP rank read the
-    same batches. `vpp` > 1 interleaves that many model chunks per stage.
+    Ranks are laid out in megatron's default order tp-cp-ep-dp-pp (`parallel.placement.Layout`),
+    so a pipeline stage's TP groups stay on one node and stages may span nodes. Data
+    parallelism takes world / (tp * cp * pp) ranks; the CP ranks and pipeline stages of one DP
+    rank read the same batches. `vpp` > 1 interleaves that many model chunks per stage. The
+    layers and sequence length were checked by the caller (`layout_problems`); here only the
+    sizes themselves and the world.
     """
     init_process_group(device)
     world = dist.get_world_size()
     vpp = vpp if vpp and vpp > 1 else None
-    if world % (tp * cp * pp):
-        raise ValueError(f"parallel.tp x parallel.cp x parallel.pp ({tp} x {cp} x {pp}) must "
-                         f"divide the number of processes ({world})")
-    if vpp and pp == 1:
-        raise ValueError(f"parallel.vpp={vpp} interleaves pipeline stages: it needs parallel.pp "
-                         "> 1 (or set parallel.vpp=null)")
+    problems = layout_problems(tp, cp, pp, vpp, world_size=world)
+    if problems:
+        raise PlacementError("; ".join(problems))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              context_parallel_size=cp,
                                              pipeline_model_parallel_size=pp,
@@ -80,13 +75,15 @@ def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1, p
         dist.barrier(group=parallel_state.get_context_parallel_group())
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    layout = Layout(tp=tp, cp=cp, pp=pp, vpp=vpp or 1,
+                    dp=parallel_state.get_data_parallel_world_size(),
+                    distributed_optimizer=distributed_optimizer)
     return Topology(
-        device=device, rank=dist.get_rank(), world_size=world, tp=tp,
+        device=device, rank=dist.get_rank(), layout=layout,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        dp=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(), cp=cp,
-        cp_rank=parallel_state.get_context_parallel_rank(), pp=pp,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(), vpp=vpp or 1,
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
     )
 
 

@@ -3,7 +3,8 @@
 `python -m trainer` under torchrun joins the group first, to give every rank rank 0's run
 directory, and reports a mistyped override or a refused directory before megatron-core and the
 model code are imported (about 4 of the 7 seconds a short run spends importing on 2 cores).
-`parallel.distributed.init_process_group` adds megatron's patches for the machine.
+`parallel.distributed.init_process_group` adds megatron's patches for the machine; the device
+itself is chosen by `parallel.placement.resolve_device`.
 """
 
 from __future__ import annotations
@@ -12,19 +13,6 @@ import os
 
 import torch
 import torch.distributed as dist
-
-
-def resolve_device(choice: str) -> torch.device:
-    """`auto` picks CUDA when present; `cuda` without a GPU is an error, not a silent fallback."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu"
-        )
-    if choice not in ("cpu", "cuda"):
-        raise ValueError(f"trainer.device={choice!r}: choose auto, cpu or cuda")
-    return torch.device(choice)
 
 
 def join_process_group(device: torch.device) -> None:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from parallel.process_group import join_process_group, resolve_device
+from parallel.placement import resolve_device
+from parallel.process_group import join_process_group
 from trainer.config import CONF_DIR, register_configs
 from trainer.entry import check_overrides, exits_on_user_error
 

@@ -14,14 +14,17 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ckpt.reader import CheckpointError
+from parallel.placement import PlacementError
 from trainer.errors import UserError
 
 # What counts as the user's mistake. Plain ValueError does not: library code raises it for bugs
 # too, so the trainer's own checks (trainer/validate.py) raise UserError, and the model config's
 # ValueErrors are turned into UserError there, before the model is built. FileNotFoundError is
 # a path the user named (checkpoint.load, data.path, build_data's inputs); CheckpointError a
-# damaged or incompatible checkpoint (the same classification as `python -m ckpt`).
-USER_ERRORS: tuple[type[BaseException], ...] = (UserError, CheckpointError, FileNotFoundError)
+# damaged or incompatible checkpoint (the same classification as `python -m ckpt`);
+# PlacementError a device, precision or layout that cannot be used (`parallel.placement`).
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, CheckpointError, FileNotFoundError,
+                                                PlacementError)
 
 T = TypeVar("T")
 

@@ -21,49 +21,50 @@ from pathlib import Path
 
 import hydra
 import torch
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ckpt.meta import CheckpointMeta
+from ckpt.reader import Checkpoint
 from trainer.config import CONF_DIR, DataConfig, check_known_keys, register_configs
 from trainer.entry import check_overrides, exits_on_user_error
+from trainer.resume import saved_run_config
 from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
-from trainer.validate import check_model, validate_eval
+from trainer.validate import check_model, placement, validate_eval
 
 register_configs()
 log = logging.getLogger(__name__)
 
 
-def _eval_data(cfg: DictConfig, saved: DictConfig) -> DictConfig:
-    """The checkpoint's run's data settings, each overridden where this command sets it to other
-    than the default (e.g. `data.tokenizer=HF_DIR`, `data.max_documents=N` for an imported
-    model, whose saved data group the import wrote)."""
-    data = OmegaConf.merge(OmegaConf.structured(DataConfig), saved.get("data", {}))
+def _eval_data(cfg: DictConfig, meta: CheckpointMeta) -> DictConfig:
+    """The checkpoint's run's data settings (an imported model's: the defaults with its
+    tokenizer), each overridden where this command sets it to other than the default (e.g.
+    `data.tokenizer=HF_DIR`, `data.max_documents=N`)."""
+    saved = saved_run_config(meta).get("data", {}) if meta.run_config else {}
+    data = OmegaConf.merge(OmegaConf.structured(DataConfig), saved,
+                           {"tokenizer": meta.tokenizer})
     for key, value in OmegaConf.to_container(cfg.data).items():
         if value != getattr(DataConfig, key, value):
             data[key] = value
     return data
 
 
-def _load_model(cfg: DictConfig, saved: DictConfig, ckpt: Path, device: torch.device):
-    """The checkpoint's model shape (`saved.model`, with this command's RoPE scaling) with this
+def _load_model(cfg: DictConfig, model: DictConfig, tokenizer_spec: str, ckpt: Checkpoint,
+                device: torch.device, bf16: bool):
+    """The checkpoint's model shape (`model`: with this command's RoPE scaling) with this
     command's attention, weights loaded (checked)."""
     from megatron.core.transformer.module import Float16Module
 
     from ckpt.load import load_model_weights
-    from ckpt.reader import Checkpoint
     from models.gpt import BuildOptions, build_model
-    from trainer.data.datasets import load_tokenizer
+    from trainer.data.tokenizer import load_tokenizer
     from trainer.init_from import checkpoint_vocab
 
-    spec = saved.data.tokenizer
-    tokenizer = load_tokenizer(spec)
-    options = BuildOptions(bf16=device.type == "cuda" and cfg.trainer.precision != "fp32",
-                           on_gpu=device.type == "cuda")
-    built = build_model(saved.model, cfg.attention, cfg.parallel,
-                        vocab_size=checkpoint_vocab(ckpt, Checkpoint(ckpt), tokenizer.vocab_size,
-                                                    spec),
+    tokenizer = load_tokenizer(tokenizer_spec)
+    options = BuildOptions(bf16=bf16, on_gpu=device.type == "cuda")
+    built = build_model(model, cfg.attention, cfg.parallel,
+                        vocab_size=checkpoint_vocab(ckpt, tokenizer.vocab_size, tokenizer_spec),
                         max_sequence_length=max(cfg.eval.lengths), options=options)
     load_model_weights(ckpt, built.gpt)
     model = Float16Module(built.config, built.gpt) if options.bf16 else built.gpt
@@ -148,44 +149,40 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
-    from ckpt.load import saved_extra
-    from ckpt.paths import resolve_checkpoint
     from models.attention.dca_scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, shutdown
-    from parallel.process_group import resolve_device
     from trainer.data.datasets import build_datasets
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.evals.retrieval import multikey_accuracy
+    from trainer.init_from import open_load
 
     check_known_keys(cfg)
     validate_eval(cfg)
-    ckpt = resolve_checkpoint(cfg.checkpoint.load)
-    extra = saved_extra(ckpt)
-    saved = OmegaConf.create(yaml.safe_load(extra["config"]))
-    trained_length = cfg.eval.trained_length or saved.trainer.seq_length
-    saved.model = with_rope_overrides(cfg.model, saved.model, typed_model_keys(_overrides()),
-                                      trained_length, max(cfg.eval.lengths))
-    check_model(saved.model, cfg.attention, cfg.parallel)
-    saved.data = _eval_data(cfg, saved)
-    device = resolve_device(cfg.trainer.device)
+    ckpt = open_load(cfg.checkpoint.load)
+    meta = ckpt.meta
+    trained_length = cfg.eval.trained_length or meta.seq_length
+    model_cfg = with_rope_overrides(cfg.model, asdict(meta.model), typed_model_keys(_overrides()),
+                                    trained_length, max(cfg.eval.lengths))
+    check_model(model_cfg, cfg.attention, cfg.parallel)
+    data = _eval_data(cfg, meta)
+    device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
     try:
-        model, tokenizer = _load_model(cfg, saved, ckpt, device)
+        model, tokenizer = _load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
         label = cfg.attention.kind
         if label == "dca" and cfg.attention.dca_scaling != "none":
             a = cfg.attention  # the label carries every scaling constant (defaults or not)
             label += "+" + describe(DCAScaling(a.dca_scaling, a.dca_scaling_parts,
                                                a.dca_scaling_attn_scale, a.dca_scaling_floor_scale,
                                                a.dca_scaling_original_length), a.dca_chunk_size)
-        if describe_rope(saved.model):
-            label += "+" + describe_rope(saved.model)
+        if describe_rope(model_cfg):
+            label += "+" + describe_rope(model_cfg)
         log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
-                 "lengths %s", ckpt, extra["step"], saved.attention.kind, label,
+                 "lengths %s", ckpt.path, meta.step, meta.attention.kind, label,
                  list(cfg.eval.lengths))
         e = cfg.eval
-        _, valid, _ = build_datasets(saved.data.name, saved.data.path, saved.data.tokenizer,
-                                     max(e.lengths), saved.data.valid_fraction, 0,
-                                     saved.data.max_documents)
+        _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, max(e.lengths),
+                                     data.valid_fraction, 0, data.max_documents)
         cells = passkey_accuracy(model, tokenizer, list(e.lengths), list(e.depths),
                                  e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
         multikey = multikey_accuracy(model, tokenizer, valid.stream, list(e.lengths),
@@ -201,9 +198,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     finally:
         shutdown()
     results = {
-        "checkpoint": str(ckpt), "step": extra["step"], "trained_attention": saved.attention.kind,
+        "checkpoint": str(ckpt.path), "step": meta.step, "trained_attention": meta.attention.kind,
         "attention": OmegaConf.to_container(cfg.attention), "label": label,
-        "rope": {k: v for k, v in OmegaConf.to_container(saved.model).items()
+        "rope": {k: v for k, v in OmegaConf.to_container(model_cfg).items()
                  if k.startswith("rope_")}, "trained_length": trained_length,
         "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],
         "multikey": [asdict(c) | {"accuracy": c.accuracy} for c in multikey],

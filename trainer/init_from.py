@@ -11,15 +11,15 @@ the checkpoint's embedding.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, open_dict
 
-from ckpt.inspect import MODEL_WEIGHT
 from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import Checkpoint
+from ckpt.reader import MODEL_WEIGHT, Checkpoint, CheckpointError
 from trainer.errors import UserError
 from trainer.rope_override import typed_model_keys, with_rope_overrides
 
@@ -30,54 +30,60 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def real_vocab(ckpt: Checkpoint) -> int:
-    """The model's vocabulary without padding: an imported model's `vocab_size`, the one a
-    trainer run recorded (`extra.vocab_size`), else the embedding rows."""
-    return ((ckpt.extra.get("hf_source") or {}).get("vocab_size") or ckpt.extra.get("vocab_size")
-            or ckpt.tensors[MODEL_WEIGHT].shape[0])
+def open_load(load: str) -> Checkpoint:
+    """The checkpoint `checkpoint.load` names, resolved and opened once for the whole start
+    (its record read and checked); the run reads everything it needs from this object."""
+    if not Path(load).exists():
+        raise UserError(f"checkpoint.load={load}: no such file or directory; give a checkpoints "
+                        "root (e.g. outputs/<date>/<time>/checkpoints) or one iter_* directory")
+    try:
+        ckpt = Checkpoint(resolve_checkpoint(load))
+        ckpt.meta  # noqa: B018 (a record that cannot be read is refused here, first)
+    except (FileNotFoundError, CheckpointError) as err:
+        raise UserError(f"checkpoint.load={load}: {err}") from err
+    return ckpt
 
 
-def checkpoint_vocab(path: Path, ckpt: Checkpoint, tokenizer_vocab: int, tokenizer: str) -> int:
+def checkpoint_vocab(ckpt: Checkpoint, tokenizer_vocab: int, tokenizer: str) -> int:
     """The vocabulary to build the checkpoint's model with: its embedding rows (the padded
-    vocabulary), if the tokenizer's ids fit the model's real vocabulary (`real_vocab`); refused
-    naming both sizes otherwise."""
+    vocabulary), if the tokenizer's ids fit the model's real vocabulary (`meta.vocab_size`);
+    refused naming both sizes otherwise."""
     rows = ckpt.tensors[MODEL_WEIGHT].shape[0]
-    real = real_vocab(ckpt)
+    real = ckpt.meta.vocab_size
     if tokenizer_vocab > real:
         what = f"a vocabulary of {real}" + (f" ({rows} rows with padding)" if rows != real else "")
         raise UserError(f"data.tokenizer={tokenizer} has {tokenizer_vocab} tokens; the "
-                         f"checkpoint {path} has {what}: use the model's own tokenizer "
-                         "(data.tokenizer=HF_DIR)")
+                        f"checkpoint {ckpt.path} has {what}: use the model's own tokenizer "
+                        "(data.tokenizer=HF_DIR)")
     return rows
 
 
 class FineTuneStart:
     """A model-only checkpoint to start from (see the module docstring)."""
 
-    def __init__(self, path: Path, ckpt: Checkpoint) -> None:
-        self.path = path
+    def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
-        self.real_vocab = real_vocab(ckpt)  # recorded again by the fine-tune's checkpoints
+
+    @property
+    def path(self) -> Path:
+        return self.ckpt.path
 
     def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
         """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""
-        return checkpoint_vocab(self.path, self.ckpt, tokenizer_vocab, tokenizer)
+        return checkpoint_vocab(self.ckpt, tokenizer_vocab, tokenizer)
 
     def load(self, model: torch.nn.Module) -> None:
-        load_fine_tune_start(self.path, model)
+        load_fine_tune_start(self.ckpt, model)
 
 
-def adopt_saved_model(cfg: DictConfig) -> FineTuneStart | None:
-    """Set `cfg.model` from the checkpoint `cfg.checkpoint.load` names (refusing a different
-    chosen model); returns the start when the checkpoint is model-only, else None (a resume)."""
-    path = resolve_checkpoint(cfg.checkpoint.load)
-    ckpt = Checkpoint(path)
-    if "config" not in ckpt.extra:
-        return None
+def adopt_saved_model(cfg: DictConfig, ckpt: Checkpoint) -> FineTuneStart | None:
+    """Set `cfg.model` from the checkpoint's record (refusing a different chosen model);
+    returns the start when the checkpoint is model-only, else None (a resume)."""
+    meta = ckpt.meta
     # The saved model, with the run's model.rope_* (they change no parameter; a different
     # chosen model is refused, listing the differing settings): trainer/rope_override.py.
-    model = with_rope_overrides(cfg.model, ckpt.config.model, typed_model_keys(_overrides()),
-                                ckpt.config.trainer.seq_length, cfg.trainer.seq_length)
+    model = with_rope_overrides(cfg.model, asdict(meta.model), typed_model_keys(_overrides()),
+                                meta.seq_length, cfg.trainer.seq_length)
     with open_dict(cfg):
         cfg.model = model
-    return FineTuneStart(path, ckpt) if ckpt.extra.get("model_only") else None
+    return FineTuneStart(ckpt) if meta.model_only else None

@@ -15,12 +15,11 @@ from __future__ import annotations
 import filecmp
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ckpt.paths import resolve_checkpoint
+from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
 from trainer.errors import UserError
 
@@ -37,16 +36,18 @@ class ResumeSettingsError(UserError):
     """The resumed run's settings contradict its checkpoint."""
 
 
-def resume_point(cfg: DictConfig) -> Path | None:
-    """The checkpoint `checkpoint.load` names (None for a fresh run), checked against `cfg`."""
-    if not cfg.checkpoint.load:
-        return None
-    path = resolve_checkpoint(cfg.checkpoint.load)
-    ckpt = Checkpoint(path)
-    if "config" in ckpt.extra and not ckpt.extra.get("model_only"):
-        for warning in check_settings(ckpt.config, cfg, ckpt.step, str(path)):
+def check_resume(cfg: DictConfig, ckpt: Checkpoint) -> None:
+    """Refuse, or warn about, the settings of `cfg` that differ from the run config the
+    checkpoint was trained with (a model-only checkpoint has none: it starts a fine-tune)."""
+    meta = ckpt.meta
+    if meta.run_config is not None and not meta.model_only:
+        for warning in check_settings(saved_run_config(meta), cfg, meta.step, str(ckpt.path)):
             log.warning(warning)
-    return path
+
+
+def saved_run_config(meta: CheckpointMeta) -> DictConfig:
+    """The run config a checkpoint was trained with (its record carries it verbatim)."""
+    return OmegaConf.create(meta.run_config)
 
 
 def check_settings(saved: DictConfig, cfg: DictConfig, step: int, where: str) -> list[str]:

@@ -15,9 +15,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from ckpt.load import load_checkpoint
+from ckpt.meta import CheckpointMeta
+from ckpt.reader import Checkpoint
 from ckpt.save import save_checkpoint
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import BuildOptions, build_model
+from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import (
     Topology,
     init_process_group,
@@ -25,28 +28,19 @@ from parallel.distributed import (
     shutdown,
     wrap_chunks,
 )
-from parallel.process_group import resolve_device
 from trainer.config import check_known_keys
 from trainer.data.datasets import DataIterator, build_datasets, validation_batches
 from trainer.evals.passkey import PasskeyMix
-from trainer.init_from import adopt_saved_model
+from trainer.init_from import adopt_saved_model, open_load
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.resume import apply_optimizer_settings, resume_point
+from trainer.resume import apply_optimizer_settings, check_resume
 from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
 from trainer.step import train_step, validation_loss
 from trainer.stop import StopOnSignal, Stopped
-from trainer.validate import check_datasets, validate_train
+from trainer.validate import check_datasets, placement, validate_train
 
 log = logging.getLogger(__name__)
-
-
-def _precision_is_bf16(precision: str, device: torch.device) -> bool:
-    if precision == "auto":
-        return device.type == "cuda"
-    if precision not in ("bf16", "fp32"):
-        raise ValueError(f"trainer.precision={precision!r}: choose auto, bf16 or fp32")
-    return precision == "bf16"
 
 
 def _num_microbatches(cfg: DictConfig, dp: int) -> int:
@@ -79,19 +73,25 @@ class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
         validate_train(cfg)  # every setting checkable without data or model, first
-        # A checkpoint brings its model config; a model-only one is a fine-tune start, any
-        # other a resume whose settings are checked against the saved ones, up front.
-        start = adopt_saved_model(cfg) if cfg.checkpoint.load else None
-        resume_from = None if start else resume_point(cfg)
+        # A checkpoint (opened once, here) brings its model config; a model-only one is a
+        # fine-tune start, any other a resume whose settings are checked against the saved
+        # ones, up front.
+        source = open_load(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        start = adopt_saved_model(cfg, source) if source else None
+        resume_from = source if source and not start else None
+        if resume_from:
+            check_resume(cfg, resume_from)
         check_checkpoints(cfg, run_dir)
         self.cfg = cfg
         self.run_dir = run_dir
-        self.device = resolve_device(cfg.trainer.device)
+        self.device, self.bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
         self._setup_parallel()
         tokenizer = self._setup_data()
         vocab = tokenizer.vocab_size
         self._setup_model(start.vocab_size(vocab, cfg.data.tokenizer) if start else vocab)
-        self.real_vocab = start.real_vocab if start else vocab  # saved for `ckpt export-hf`
+        # The real vocabulary and the model's origin, recorded again by this run's checkpoints.
+        self.real_vocab = source.meta.vocab_size if source else vocab
+        self.hf_source = source.meta.hf_source if source else None
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
@@ -112,7 +112,7 @@ class Trainer:
         )
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
             self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
-            self.topo.dp_rank, self.topo.dp, mix=self.passkey_mix,
+            self.topo.dp_rank, self.topo.layout.dp, mix=self.passkey_mix,
         )
         self._ahead: list[dict[str, torch.Tensor]] | None = None  # the next step's, when read
 
@@ -120,8 +120,9 @@ class Trainer:
         """Process groups and megatron's parallel state; micro-batches per step."""
         t, p = self.cfg.trainer, self.cfg.parallel
         init_process_group(self.device)
-        self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp, p.pp, p.vpp)
-        self.micro_batches = _num_microbatches(self.cfg, self.topo.dp)
+        self.topo: Topology = initialize_parallel(self.device, p.tp, t.seed, p.cp, p.pp, p.vpp,
+                                                  p.distributed_optimizer)
+        self.micro_batches = _num_microbatches(self.cfg, self.topo.layout.dp)
 
     def _setup_data(self):
         """Training and validation datasets (with retrieval examples mixed in when asked)."""
@@ -139,7 +140,7 @@ class Trainer:
         """The GPT from the one factory, wrapped in megatron's DDP; its FLOPs per step."""
         cfg, t = self.cfg, self.cfg.trainer
         options = BuildOptions(
-            bf16=_precision_is_bf16(t.precision, self.device), on_gpu=self.device.type == "cuda",
+            bf16=self.bf16, on_gpu=self.device.type == "cuda",
             recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
             recompute_num_layers=t.recompute_num_layers,
             recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
@@ -159,20 +160,19 @@ class Trainer:
             head_wise_gate=cfg.attention.head_wise_attn_gate,
         )
         self.peak = peak_tflops(self.device)
-        log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d cp=%d pp=%d dp=%d,"
-                 " %s%s", cfg.model.name,
+        log.info("model %s: %.2fM parameters on this rank, attention=%s, %s, %s%s",
+                 cfg.model.name,
                  sum(p.numel() for c in built.chunks for p in c.parameters()) / 1e6,
-                 cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.pp, self.topo.dp,
-                 self.device.type, " bf16" if c.bf16 else " fp32")
+                 cfg.attention.kind, self.topo.layout.describe(), self.device.type,
+                 " bf16" if c.bf16 else " fp32")
 
-    def _resume(self, ckpt: Path) -> str | None:
-        log.info("resuming from %s", ckpt)
-        extra = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+    def _resume(self, ckpt: Checkpoint) -> str | None:
+        log.info("resuming from %s", ckpt.path)
+        meta = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
         apply_optimizer_settings(self.optimizer, self.scheduler, self.cfg)
-        self.step = extra["step"]
-        self.consumed_samples = extra["consumed_samples"]
-        self.real_vocab = extra.get("vocab_size", self.real_vocab)
-        return extra.get("wandb_id")
+        self.step = meta.step
+        self.consumed_samples = meta.consumed_samples
+        return meta.wandb_id
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over `micro_batches` micro-batches; returns (loss, grad norm)."""
@@ -198,21 +198,19 @@ class Trainer:
         return validation_loss(self.model, list(batches), self.cfg.trainer.seq_length, self.device)
 
     def save(self) -> Path:
-        root = checkpoints_root(self.cfg, self.run_dir)
-        extra = {
-            "step": self.step,
-            "consumed_samples": self.consumed_samples,
-            "tp": self.topo.tp,
-            "vocab_size": self.real_vocab,  # without padding
-            "layout": {"tp": self.topo.tp, "pp": self.topo.pp, "vpp": self.topo.vpp,
-                       "cp": self.topo.cp, "dp": self.topo.dp,
-                       "distributed_optimizer": bool(self.cfg.parallel.distributed_optimizer)},
-            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
-            "wandb_id": self.metrics.wandb_id,
-        }
+        cfg = self.cfg
+        root = checkpoints_root(cfg, self.run_dir)
+        meta = CheckpointMeta(
+            model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)),
+            attention=AttentionConfig(**OmegaConf.to_container(cfg.attention, resolve=True)),
+            layout=self.topo.layout, seq_length=cfg.trainer.seq_length,
+            vocab_size=self.real_vocab, tokenizer=str(cfg.data.tokenizer), step=self.step,
+            consumed_samples=self.consumed_samples, seed=cfg.trainer.seed,
+            wandb_id=self.metrics.wandb_id, hf_source=self.hf_source,
+            run_config=OmegaConf.to_yaml(cfg, resolve=True))
         t0 = time.perf_counter()
-        path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, extra,
-                               self.cfg.checkpoint.thread_count)
+        path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, meta,
+                               cfg.checkpoint.thread_count)
         log.info("saved checkpoint %s (%.1fs)", path, time.perf_counter() - t0)
         self.saved_step = self.step
         return path
@@ -220,7 +218,7 @@ class Trainer:
     def _row(self, loss: float, grad_norm: float, seconds: float) -> dict[str, Any]:
         t = self.cfg.trainer
         tokens_per_s = t.global_batch_size * t.seq_length / seconds
-        tflops = self.flops_per_step / seconds / 1e12 / self.topo.world_size
+        tflops = self.flops_per_step / seconds / 1e12 / self.topo.layout.world_size
         row: dict[str, Any] = {
             "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,

@@ -15,10 +15,9 @@ import torch.distributed as dist
 import yaml
 from omegaconf import DictConfig
 
+from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
 from trainer.config import CONF_DIR
 from trainer.errors import UserError
-
-_KINDS = ("auto", "cpu", "cuda")
 
 
 def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
@@ -36,14 +35,11 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     if not 0 <= t.warmup_steps < t.max_steps:
         raise UserError(f"trainer.warmup_steps ({t.warmup_steps}) must be in [0, "
                         f"trainer.max_steps ({t.max_steps})); lower it or raise max_steps")
-    if t.precision not in ("auto", "bf16", "fp32"):
-        raise UserError(f"trainer.precision={t.precision!r}: choose auto, bf16 or fp32")
-    device = _device_type(t.device)
-    _check_micro_batches(cfg, _check_parallel(cfg.parallel, cfg.model.num_layers,
-                                              t.seq_length, world_size))
+    device, bf16 = placement(t.device, t.precision)
+    _check_micro_batches(cfg, check_layout(cfg.parallel, cfg.model.num_layers, t.seq_length,
+                                           world_size))
     _check_data(cfg.data)
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and device == "cuda")
-    check_model(cfg.model, cfg.attention, cfg.parallel, bf16=bf16, on_gpu=device == "cuda",
+    check_model(cfg.model, cfg.attention, cfg.parallel, bf16=bf16, on_gpu=device.type == "cuda",
                 recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
                 recompute_num_layers=t.recompute_num_layers,
                 recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
@@ -51,8 +47,6 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     if t.dca_cuda_graphs and cfg.attention.kind != "dca":
         raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
                         f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
-    if cfg.checkpoint.load:
-        check_checkpoint_load(cfg.checkpoint.load)
 
 
 def validate_eval(cfg: DictConfig) -> None:
@@ -60,18 +54,20 @@ def validate_eval(cfg: DictConfig) -> None:
     check_attention_selection(_hydra_overrides())
     if not cfg.checkpoint.load:
         raise UserError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
-    if cfg.parallel.cp != 1:
-        raise UserError(f"trainer.eval does not split sequences across ranks: parallel.cp="
-                        f"{cfg.parallel.cp}; run it with parallel.cp=1 (a checkpoint trained "
-                        "with CP loads at CP=1; eval needs no activations for backward)")
+    p = cfg.parallel
+    if p.cp != 1 or p.pp != 1 or (p.vpp or 1) != 1:
+        raise UserError(f"trainer.eval runs the model on tensor-parallel ranks alone: "
+                        f"parallel.cp={p.cp}, parallel.pp={p.pp}, parallel.vpp={p.vpp}; run it "
+                        "with parallel.cp=1 parallel.pp=1 parallel.vpp=null (a checkpoint saved "
+                        "at any layout loads at TP alone)")
     if cfg.eval.attention_queries < 0 or (cfg.eval.attention_queries and cfg.parallel.tp > 1):
         raise UserError(f"eval.attention_queries={cfg.eval.attention_queries} needs a count >= 0 "
                         f"and parallel.tp=1 (each TP rank holds only some heads; got tp="
                         f"{cfg.parallel.tp})")
-    _check_parallel(cfg.parallel, 2, _device_type(cfg.trainer.device), None)
+    placement(cfg.trainer.device, cfg.trainer.precision)
+    check_layout(p, None, None, None)
     if not cfg.eval.lengths or min(cfg.eval.lengths) < 1:
         raise UserError(f"eval.lengths={list(cfg.eval.lengths)}: give positive context lengths")
-    check_checkpoint_load(cfg.checkpoint.load)
 
 
 def check_datasets(train_len: int, valid_len: int, cfg: DictConfig) -> None:
@@ -136,48 +132,26 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
         raise UserError(f"model/attention settings: {err}") from err
 
 
-def check_checkpoint_load(path: str) -> None:
-    """`checkpoint.load` names an existing checkpoints root or a complete iter_* directory."""
-    from ckpt.paths import resolve_checkpoint
-    from ckpt.reader import CheckpointError
-
-    if not Path(path).exists():
-        raise UserError(f"checkpoint.load={path}: no such file or directory; give a checkpoints "
-                        "root (e.g. outputs/<date>/<time>/checkpoints) or one iter_* directory")
+def placement(device: str, precision: str) -> tuple[torch.device, bool]:
+    """The run's device and whether it computes in bf16 (`parallel.placement`)."""
     try:
-        resolve_checkpoint(path)
-    except (FileNotFoundError, CheckpointError) as err:
-        raise UserError(f"checkpoint.load={path}: {err}") from err
+        chosen = resolve_device(device)
+        return chosen, uses_bf16(precision, chosen)
+    except PlacementError as err:
+        raise UserError(str(err)) from err
 
 
-def _check_parallel(p: DictConfig, num_layers: int, seq_length: int,
-                    world_size: int | None) -> int:
-    """TP/CP/PP/VPP sizes against the world size, layer count and sequence length; returns the
-    data-parallel size."""
-    for key in ("tp", "cp", "pp"):
-        _at_least(p, key, 1, prefix="parallel")
-    vpp = p.vpp or 1
-    if vpp < 1:
-        raise UserError(f"parallel.vpp={p.vpp} must be at least 1 (or null: no interleaving)")
-    if vpp > 1 and p.pp == 1:
-        raise UserError(f"parallel.vpp={vpp} interleaves pipeline stages: it needs "
-                        "parallel.pp > 1 (or set parallel.vpp=null)")
-    if num_layers % (p.pp * vpp):
-        raise UserError(f"model.num_layers ({num_layers}) must be divisible by parallel.pp x "
-                        f"parallel.vpp ({p.pp} x {vpp}): every stage holds as many layers")
-    # Only context parallelism cares about parity: each CP rank holds pieces r and 2N-1-r of
-    # every sequence (load balance for causal attention). Without CP any length works.
-    if p.cp > 1 and seq_length % (2 * p.cp):
-        raise UserError(f"trainer.seq_length ({seq_length}) must be divisible by 2 x parallel.cp "
-                        f"({p.cp}): each CP rank holds two of the 2 x cp pieces of a sequence")
+def check_layout(p: DictConfig, num_layers: int | None, seq_length: int | None,
+                 world_size: int | None) -> int:
+    """The parallel sizes against the world size (this job's, when None), the layer count and
+    the sequence length (each None: not checked); returns the data-parallel size."""
     world = world_size or (dist.get_world_size() if dist.is_initialized()
                            else int(os.environ.get("WORLD_SIZE", "1")))
-    model_parallel = p.tp * p.cp * p.pp
-    if world % model_parallel:
-        raise UserError(f"the number of processes ({world}) must be a multiple of parallel.tp x "
-                        f"parallel.cp x parallel.pp ({p.tp} x {p.cp} x {p.pp}); the rest is data "
-                        "parallelism: change them or torchrun's --nproc-per-node")
-    return world // model_parallel
+    problems = layout_problems(p.tp, p.cp, p.pp, p.vpp, num_layers=num_layers,
+                               seq_length=seq_length, world_size=world)
+    if problems:
+        raise UserError("; ".join(problems))
+    return world // (p.tp * p.cp * p.pp)
 
 
 def _check_micro_batches(cfg: DictConfig, dp: int) -> None:
@@ -228,14 +202,6 @@ def _at_least(node: DictConfig, key: str, low: int, why: str = "", prefix: str =
     value = node[key]
     if value is None or value < low:
         raise UserError(f"{prefix}.{key}={value} must be >= {low}{' ' + why if why else ''}")
-
-
-def _device_type(choice: str) -> str:
-    if choice not in _KINDS:
-        raise UserError(f"trainer.device={choice!r}: choose auto, cpu or cuda")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
-    return "cuda" if choice == "cuda" or torch.cuda.is_available() and choice == "auto" else "cpu"
 
 
 def _attention_option(name: str) -> dict:

@@ -49,7 +49,8 @@ def test_reshaped_checkpoint_resumes_at_another_tp_with_the_same_next_step_loss(
         dst = cwd / f"reshaped_tp{tp}"
         assert main(["reshape", str(src), str(dst), "--target-tp", str(tp), "--verify"]) == 0
         ckpt = Checkpoint(resolve_checkpoint(dst))
-        assert ckpt.tp == tp and ckpt.step == 3 and ckpt.extra["reshaped_from_tp"] == 2
+        assert ckpt.meta.layout.tp == tp and ckpt.meta.step == 3
+        assert ckpt.meta.reshaped_from.tp == 2
         assert not [k for k in ckpt.objects if k.startswith("rng_state")]
         # megatron's own TP=tp sharding (the chunks its ranks wrote) is what the plan predicts.
         for info in ckpt.tensors.values():

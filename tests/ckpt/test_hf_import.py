@@ -25,7 +25,7 @@ def our_logits(root: Path, tokens: torch.Tensor = TOKENS,
     """Logits of the imported checkpoint, loaded at TP=1 (a TP=2 one reshards on load), in a
     process group of its own."""
     ckpt = resolve_checkpoint(root)
-    saved = Checkpoint(ckpt).config
+    saved = Checkpoint(ckpt).meta
     initialize_parallel(torch.device("cpu"), tp=1, seed=0)
     try:
         built = build_model(saved.model, attention or AttentionConfig(), ParallelConfig(),
@@ -45,17 +45,18 @@ def our_logits(root: Path, tokens: torch.Tensor = TOKENS,
 def test_imported_logits_match_transformers(hf_imported, family: str, tied: bool,
                                             tp: int) -> None:
     hf, root = hf_imported(family, tied, tp)
-    extra = Checkpoint(resolve_checkpoint(root)).extra
-    assert extra["model_only"] and extra["tp"] == tp and extra["hf_source"]["vocab_size"] == VOCAB
+    meta = Checkpoint(resolve_checkpoint(root)).meta
+    assert meta.model_only and meta.layout.tp == tp and meta.hf_source.vocab_size == VOCAB
+    assert meta.vocab_size == VOCAB and meta.seed is None and meta.run_config is None
     diff = (our_logits(root) - hf_logits(hf, TOKENS)).abs().max().item()
     assert diff <= 1e-4, diff
 
 
-def test_the_imported_run_config_is_read_by_the_ckpt_tools(hf_imported, tmp_path: Path,
-                                                           capsys) -> None:
-    """The partial run config import-hf saves (ckpt/hf_import.py says why it is enough) works
-    for inspect and reshape; the trainer, trainer.eval and export-hf read it in
-    tests/trainer/test_init_from.py, test_hf_tokenizer.py and tests/ckpt/test_hf_export.py."""
+def test_the_imported_record_is_read_by_the_ckpt_tools(hf_imported, tmp_path: Path,
+                                                       capsys) -> None:
+    """The record import-hf saves (no run config: ckpt/meta.py) works for inspect and reshape;
+    the trainer, trainer.eval and export-hf read it in tests/trainer/test_init_from.py,
+    test_hf_tokenizer.py and tests/ckpt/test_hf_export.py."""
     from ckpt.__main__ import main
 
     _, root = hf_imported("qwen2", True)

@@ -16,7 +16,8 @@ from ckpt.__main__ import main
 from ckpt.inspect import describe
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
-from ckpt.reshape_plan import Layout, plan
+from ckpt.reshape_plan import plan
+from parallel.placement import Layout
 from tests.conftest import FAST, compose_config, read_metrics, train_on_ranks
 from trainer.train import train
 
@@ -86,7 +87,7 @@ def test_reshape_to_tp2_pp2_dist_opt_and_back_to_tp1_pp2_resumes(saved, capsys) 
     tp2pp2, tp1pp2 = cwd / "tp2pp2_dist", cwd / "tp1pp2_plain"
     assert main(["reshape", str(src), str(tp2pp2), "--target-tp", "2", "--target-pp", "2",
                  "--target-dist-opt", "on", "--verify"]) == 0
-    _assert_plan_is_what_megatron_wrote(src, tp2pp2, Layout(2, 2, True))
+    _assert_plan_is_what_megatron_wrote(src, tp2pp2, Layout(tp=2, pp=2, distributed_optimizer=True))
     assert main(["reshape", str(tp2pp2), str(tp1pp2), "--target-tp", "1",
                  "--target-dist-opt", "off", "--verify"]) == 0
     layout = describe(Checkpoint(resolve_checkpoint(tp1pp2)))["layout"]
@@ -132,7 +133,7 @@ def test_a_layout_the_model_cannot_take_is_refused(saved, capsys) -> None:
     err = capsys.readouterr().err
     assert code == 2 and not dst.exists() and err.startswith("error: cannot reshape")
     assert len(err.strip().splitlines()) == 1, err
-    assert "model.num_layers (2) is not divisible by 3" in err
+    assert "model.num_layers (2) is not divisible by --target-pp (3)" in err
     assert "model.num_attention_heads (4) is not divisible by 3" in err
     code = main(["reshape", str(cwd / "plain" / "checkpoints"), str(dst)])
     assert code == 2 and "nothing to do" in capsys.readouterr().err

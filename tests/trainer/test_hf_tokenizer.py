@@ -53,7 +53,7 @@ def test_fine_tune_and_eval_with_the_models_tokenizer(tmp_path: Path, run_traini
     from trainer import eval as eval_entry
 
     hf, imported = hf_imported("llama", False)
-    assert Checkpoint(resolve_checkpoint(imported)).config.data.tokenizer == \
+    assert Checkpoint(resolve_checkpoint(imported)).meta.tokenizer == \
         str(hf / "tokenizer.json")  # what trainer.eval below uses
     rows = run_training([f"checkpoint.load={imported}", f"data.tokenizer={hf}",
                          "trainer.max_steps=2", "checkpoint.save=false"], name="ft")

@@ -67,26 +67,27 @@ def test_a_head_gate_is_added_to_an_imported_model(tmp_path: Path, hf_imported, 
 
 
 def test_a_different_chosen_model_is_refused(hf_imported) -> None:
-    from trainer.init_from import adopt_saved_model
+    from trainer.init_from import adopt_saved_model, open_load
 
     _, imported = hf_imported("qwen2", True)
     cfg = compose_config(FAST + [f"checkpoint.load={imported}", "model=gpt_125m"])
     with pytest.raises(ValueError, match="model.num_layers: run 12, checkpoint 2"):
-        adopt_saved_model(cfg)
+        adopt_saved_model(cfg, open_load(cfg.checkpoint.load))
     cfg = compose_config(FAST + [f"checkpoint.load={imported}"])
-    assert adopt_saved_model(cfg) is not None and cfg.model.qkv_bias
+    assert adopt_saved_model(cfg, open_load(cfg.checkpoint.load)) is not None
+    assert cfg.model.qkv_bias
 
 
 def test_a_fine_tune_takes_the_command_lines_rope_scaling(hf_imported) -> None:
-    from trainer.init_from import adopt_saved_model
+    from trainer.init_from import adopt_saved_model, open_load
 
     _, imported = hf_imported("llama", False)
-    saved = Checkpoint(resolve_checkpoint(str(imported))).config
+    saved = Checkpoint(resolve_checkpoint(str(imported))).meta
     cfg = compose_config(FAST + [f"checkpoint.load={imported}",
                                  "+extrapolation=yarn", "model.rope_scaling_factor=4"])
-    assert adopt_saved_model(cfg) is not None
+    assert adopt_saved_model(cfg, open_load(cfg.checkpoint.load)) is not None
     assert (cfg.model.rope_scaling_type, cfg.model.rope_scaling_factor) == ("yarn", 4)
     # 0 in the preset: the saved value, else the trained length
     assert cfg.model.rope_original_max_position == (saved.model.rope_original_max_position
-                                                    or saved.trainer.seq_length)
+                                                    or saved.seq_length)
     assert cfg.model.num_layers == saved.model.num_layers

@@ -19,7 +19,8 @@ from trainer.build_data import main as build_main
 from trainer.data.datasets import build_datasets
 from trainer.errors import UserError
 from trainer.train import Trainer, train
-from trainer.validate import check_attention_selection, validate_train
+from trainer.init_from import open_load
+from trainer.validate import check_attention_selection, validate_eval, validate_train
 
 
 @pytest.mark.parametrize(("override", "key"), [
@@ -95,7 +96,22 @@ def test_garbage_tracker_is_named(tmp_path: Path) -> None:
         resolve_checkpoint(tmp_path)
     cfg = compose_config(FAST + [f"checkpoint.load={tmp_path}"])
     with pytest.raises(UserError, match=f"checkpoint.load=.*{TRACKER}"):
-        validate_train(cfg)
+        open_load(cfg.checkpoint.load)  # the trainer's first look at the checkpoint
+    with pytest.raises(UserError, match=f"checkpoint.load=.*{TRACKER}"):
+        train(cfg, tmp_path / "run")
+
+
+def test_eval_layouts_are_judged_by_what_eval_runs(tmp_path: Path) -> None:
+    """trainer.eval runs at TP alone: a pipeline layout is refused for that reason, not with a
+    made-up layer count (it once said `model.num_layers (2)` for any model)."""
+    cfg = compose_config(FAST + ["model=gpt_125m", "parallel.pp=4",
+                                 f"checkpoint.load={tmp_path}"])
+    with pytest.raises(UserError, match=r"trainer.eval runs .* parallel.pp=4") as err:
+        validate_eval(cfg)
+    assert "num_layers" not in str(err.value)
+    cfg = compose_config(FAST + ["parallel.tp=3", f"checkpoint.load={tmp_path}"])
+    with pytest.raises(UserError, match=r"number of processes \(1\) must be a multiple"):
+        validate_eval(cfg)
 
 
 def test_empty_inputs_build_no_dataset(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

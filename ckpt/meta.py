@@ -1,0 +1,141 @@
+"""What a checkpoint says about itself beside its tensors: one typed record, `CheckpointMeta`.
+
+Every writer (the trainer, `reshape`, `import-hf`) saves it with `to_saved` as the common state's
+`extra`, and every reader (`Checkpoint.meta`) gets it back with `from_saved`, so the model, its
+attention, its layout and its vocabulary are read without the run config that trained it (as
+litgpt keeps a model config beside the weights). The run config itself is carried verbatim
+(`run_config`) for the trainer's own resume checks; ckpt never reads it.
+
+Checkpoints saved before this record existed (`extra` without `meta_version`: the run config's
+`model`, `attention`, `trainer` and `data` groups, `tp` and `layout` at the top) are read into the
+same record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from models.schema import AttentionConfig, ModelConfig
+from parallel.placement import Layout
+
+META_VERSION = 2
+# The byte tokenizer's vocabulary (256 bytes + end of document), for runs saved before the
+# vocabulary was recorded.
+BYTE_VOCAB = 257
+
+
+class MetaError(ValueError):
+    """A saved record that cannot be read (a missing or mistyped field); the message names it."""
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """The Hugging Face model a checkpoint was imported from."""
+
+    path: str
+    architecture: str  # e.g. LlamaForCausalLM
+    vocab_size: int
+    config_json: str  # its config.json, verbatim
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """A checkpoint's model, layout and provenance (see the module docstring)."""
+
+    model: ModelConfig
+    attention: AttentionConfig
+    layout: Layout
+    seq_length: int  # the sequence length it was trained (or, imported: is documented) at
+    vocab_size: int  # the real vocabulary: the embedding's rows without padding
+    tokenizer: str  # byte | a `tokenizers` JSON file | a Hugging Face model directory
+    step: int = 0
+    consumed_samples: int = 0  # the data position, in samples
+    seed: int | None = None
+    wandb_id: str | None = None
+    model_only: bool = False  # weights alone (import-hf, reshape --model-only): a fine-tune start
+    hf_source: HFSource | None = None
+    reshaped_from: Layout | None = None
+    run_config: str | None = field(default=None, repr=False)  # the trainer's resolved config
+
+    def replace(self, **changes: Any) -> CheckpointMeta:
+        return dataclasses.replace(self, **changes)
+
+    def to_saved(self) -> dict[str, Any]:
+        """Plain Python values only, so the common state loads with `weights_only=True`."""
+        saved = dataclasses.asdict(self)
+        saved["meta_version"] = META_VERSION
+        return saved
+
+    @classmethod
+    def from_saved(cls, extra: dict[str, Any], embedding_rows: int, where: str) -> CheckpointMeta:
+        """The record in a checkpoint's `extra` (either format); `embedding_rows` stands in for
+        a vocabulary an older checkpoint did not record; `where` names it in errors."""
+        if not isinstance(extra, dict):
+            raise MetaError(f"{where}: the saved extra state is a {type(extra).__name__}, not a "
+                            "mapping")
+        try:
+            if extra.get("meta_version") == META_VERSION:
+                return _current(extra)
+            if "meta_version" in extra:
+                raise MetaError(f"meta_version {extra['meta_version']!r} is not one this version"
+                                f" reads ({META_VERSION})")
+            return _legacy(extra, embedding_rows)
+        except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
+            raise MetaError(f"{where}: cannot read the checkpoint's record: "
+                            f"{type(e).__name__}: {e}") from e
+
+
+def _typed(cls: type, values: dict[str, Any] | None) -> Any:
+    """A schema dataclass from saved values; keys it does not know are refused."""
+    values = dict(values or {})
+    unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise KeyError(f"{cls.__name__} has no field(s) {unknown}")
+    return cls(**values)
+
+
+def _current(extra: dict[str, Any]) -> CheckpointMeta:
+    values = {k: v for k, v in extra.items() if k != "meta_version"}
+    values["model"] = _typed(ModelConfig, values["model"])
+    values["attention"] = _typed(AttentionConfig, values["attention"])
+    values["layout"] = Layout.from_dict(values["layout"])
+    if values.get("reshaped_from") is not None:
+        values["reshaped_from"] = Layout.from_dict(values["reshaped_from"])
+    if values.get("hf_source") is not None:
+        values["hf_source"] = _typed(HFSource, values["hf_source"])
+    return _typed(CheckpointMeta, values)
+
+
+def _legacy(extra: dict[str, Any], embedding_rows: int) -> CheckpointMeta:
+    """An `extra` written before `meta_version` 2: the run config as YAML, layout at the top."""
+    config = yaml.safe_load(extra["config"]) if "config" in extra else None
+    if not isinstance(config, dict):
+        raise KeyError("config: the checkpoint holds no run config")
+    trainer, data = config.get("trainer") or {}, config.get("data") or {}
+    hf = extra.get("hf_source")
+    layout = Layout.from_dict({"tp": int(extra.get("tp", 1)), **(extra.get("layout") or {})})
+    reshaped = extra.get("reshaped_from")
+    return CheckpointMeta(
+        model=_typed(ModelConfig, config["model"]),
+        attention=_typed(AttentionConfig, config.get("attention")),
+        layout=layout,
+        seq_length=int(trainer["seq_length"]),
+        vocab_size=int((hf or {}).get("vocab_size") or extra.get("vocab_size")
+                       or (BYTE_VOCAB if data.get("tokenizer", "byte") == "byte" else 0)
+                       or embedding_rows),
+        tokenizer=str(data.get("tokenizer", "byte")),
+        step=int(extra.get("step", 0)),
+        consumed_samples=int(extra.get("consumed_samples", 0)),
+        # import-hf wrote a placeholder seed into the run config it made up
+        seed=None if hf else trainer.get("seed"),
+        wandb_id=extra.get("wandb_id"),
+        model_only=bool(extra.get("model_only", False)),
+        hf_source=_typed(HFSource, hf) if hf else None,
+        reshaped_from=Layout.from_dict(reshaped) if reshaped else None,
+        # imports made the run config up; trained checkpoints keep theirs for resume checks
+        run_config=None if hf else extra["config"],
+    )
