@@ -150,6 +150,14 @@ def register_configs() -> None:
     cs.store(name="base_config", node=TrainConfig)
 
 
+def command_line_overrides() -> list[str]:
+    """The overrides typed on the command line of the Hydra job running now (none outside one,
+    e.g. a config composed in a test)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     """Reject keys the schema lacks. Hydra's struct mode already stops `trainer.max_stepz=3`, but
     `+trainer.max_stepz=3` appends on purpose; a training run must not ignore it silently."""

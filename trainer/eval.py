@@ -27,7 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
-from trainer.config import CONF_DIR, DataConfig, check_known_keys, register_configs
+from trainer.config import (
+    CONF_DIR,
+    DataConfig,
+    check_known_keys,
+    command_line_overrides,
+    register_configs,
+)
 from trainer.entry import check_overrides, exits_on_user_error
 from trainer.resume import saved_run_config
 from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
@@ -161,8 +167,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     ckpt = open_load(cfg.checkpoint.load)
     meta = ckpt.meta
     trained_length = cfg.eval.trained_length or meta.seq_length
-    model_cfg = with_rope_overrides(cfg.model, asdict(meta.model), typed_model_keys(_overrides()),
-                                    trained_length, max(cfg.eval.lengths))
+    typed = typed_model_keys(command_line_overrides())
+    model_cfg = with_rope_overrides(cfg.model, asdict(meta.model), typed, trained_length,
+                                    max(cfg.eval.lengths))
     check_model(model_cfg, cfg.attention, cfg.parallel)
     data = _eval_data(cfg, meta)
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
@@ -234,10 +241,6 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             _log_wandb(cfg, run_dir, label, cells, points, plots, multikey, attention)
         log.info("results in %s", run_dir)
     return results
-
-
-def _overrides() -> list[str]:
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

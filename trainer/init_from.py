@@ -20,14 +20,9 @@ from omegaconf import DictConfig, open_dict
 from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import MODEL_WEIGHT, Checkpoint, CheckpointError
+from trainer.config import command_line_overrides
 from trainer.errors import UserError
 from trainer.rope_override import typed_model_keys, with_rope_overrides
-
-
-def _overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def open_load(load: str) -> Checkpoint:
@@ -82,8 +77,9 @@ def adopt_saved_model(cfg: DictConfig, ckpt: Checkpoint) -> FineTuneStart | None
     meta = ckpt.meta
     # The saved model, with the run's model.rope_* (they change no parameter; a different
     # chosen model is refused, listing the differing settings): trainer/rope_override.py.
-    model = with_rope_overrides(cfg.model, asdict(meta.model), typed_model_keys(_overrides()),
-                                meta.seq_length, cfg.trainer.seq_length)
+    typed = typed_model_keys(command_line_overrides())
+    model = with_rope_overrides(cfg.model, asdict(meta.model), typed, meta.seq_length,
+                                cfg.trainer.seq_length)
     with open_dict(cfg):
         cfg.model = model
     return FineTuneStart(ckpt) if meta.model_only else None

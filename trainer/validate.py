@@ -16,13 +16,13 @@ import yaml
 from omegaconf import DictConfig
 
 from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
-from trainer.config import CONF_DIR
+from trainer.config import CONF_DIR, command_line_overrides
 from trainer.errors import UserError
 
 
 def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     """Everything about a training run that can be checked before the data and model exist."""
-    check_attention_selection(_hydra_overrides())
+    check_attention_selection(command_line_overrides())
     t = cfg.trainer
     _at_least(t, "max_steps", 1)
     _at_least(t, "micro_batch_size", 1)
@@ -51,7 +51,7 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
 
 def validate_eval(cfg: DictConfig) -> None:
     """What `trainer.eval` can check before it reads the checkpoint's model."""
-    check_attention_selection(_hydra_overrides())
+    check_attention_selection(command_line_overrides())
     if not cfg.checkpoint.load:
         raise UserError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
     p = cfg.parallel
@@ -207,10 +207,3 @@ def _at_least(node: DictConfig, key: str, low: int, why: str = "", prefix: str =
 def _attention_option(name: str) -> dict:
     path = Path(CONF_DIR) / "attention" / f"{name}.yaml"
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
-
-
-def _hydra_overrides() -> list[str]:
-    """The command line's overrides when running under Hydra (none when called directly)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []

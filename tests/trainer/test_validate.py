@@ -18,8 +18,8 @@ from tests.conftest import FAST, compose_config
 from trainer.build_data import main as build_main
 from trainer.data.datasets import build_datasets
 from trainer.errors import UserError
-from trainer.train import Trainer, train
 from trainer.init_from import open_load
+from trainer.train import Trainer, train
 from trainer.validate import check_attention_selection, validate_eval, validate_train
 
 
