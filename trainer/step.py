@@ -99,7 +99,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer: Any, batches: list[Batc
     `while_gpu_busy` runs once the backward is queued: host work (reading the next batches) that
     the GPU would otherwise wait for at the next step's start."""
     for chunk in chunks:
-        if not chunk.training:  # after evaluation; the recursive switch costs ~2 ms of host time
+        if not chunk.training:  # after evaluation: the recursive switch costs host time
             chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()

@@ -189,7 +189,7 @@ class Trainer:
 
     def _read_ahead(self) -> None:
         """The next step's micro-batches, read while the GPU works through this step's backward:
-        read at the step's start they left the GPU idle 4-6 ms per 32K-token step (H100)."""
+        read at the step's start they left the GPU idle (docs/benchmarks.md, host overheads)."""
         self._ahead = self._read()
 
     def validation_loss(self) -> float:
