@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca.scaling import DCAScaling
 from models.rope_scaling import NO_SCALING, RopeScaling
 
 ATTENTION_KINDS = ("standard", "dca", "chunked")
@@ -20,8 +20,8 @@ class LongContextConfig(TransformerConfig):
     (Llama-4 style local chunks; every `global_layer_interval`-th layer global without RoPE).
     head_wise_attn_gate: a sigmoid gate per head on the attention output, fused into linear_qkv
     (models/attention/head_gate.py); works with every attention kind.
-    dca_scaling*: DCA's length-dependent logit scaling (models/attention/dca_scaling.py).
-    dca_cuda_graphs: DCA's passes replayed as CUDA graphs (models/attention/dca_graphs.py).
+    dca_scaling*: DCA's length-dependent logit scaling (models/attention/dca/scaling.py).
+    dca_cuda_graphs: DCA's passes replayed as CUDA graphs (models/attention/dca/graphs.py).
     recompute_keep_attention: under full recompute, each core attention keeps its output and LSE
     from the first forward instead of running again (models/recompute.py).
     """

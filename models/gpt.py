@@ -163,7 +163,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
     `fused_rope` turns on megatron's `apply_rope_fusion` with our Triton kernels
     (models/fused_rope.py) for the layers megatron rotates; DCA rotates q and k itself, in its
     own fused kernels, so the setting changes nothing there. `dca_cuda_graphs` (DCA on the GPU
-    only) replays DCA's passes as CUDA graphs (models/attention/dca_graphs.py).
+    only) replays DCA's passes as CUDA graphs (models/attention/dca/graphs.py).
     """
     rope_fusion = fused_rope and attention.kind != "dca"
     if rope_fusion:

@@ -20,7 +20,7 @@ from models.fused import FusedRMSNorm
 # dependencies load only when it is used.
 CORE_ATTENTION = {
     "standard": "models.attention.core:CausalCoreAttention",
-    "dca": "models.attention.dca_module:DCACoreAttention",
+    "dca": "models.attention.dca.module:DCACoreAttention",
     "chunked": "models.attention.chunked_module:ChunkedCoreAttention",
 }
 

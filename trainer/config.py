@@ -76,7 +76,7 @@ class TrainerConfig:
     fused_norm: bool = False  # RMSNorm as one Triton pass each way on the GPU (models/fused.py)
     fused_rope: bool = False  # megatron's RoPE as one Triton pass each way (models/fused_rope.py)
     # attention=dca: its forward and backward replayed as CUDA graphs, one capture per shape
-    # (models/attention/dca_graphs.py): for short sequences and small chunks, where launching
+    # (models/attention/dca/graphs.py): for short sequences and small chunks, where launching
     # DCA's ~100 kernels takes the host longer than the GPU needs to run them (packed documents
     # and parallel.cp > 1 run eagerly)
     dca_cuda_graphs: bool = False

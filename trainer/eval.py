@@ -150,7 +150,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
     from ckpt.load import saved_extra
     from ckpt.paths import resolve_checkpoint
-    from models.attention.dca_scaling import DCAScaling, describe
+    from models.attention.dca.scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, shutdown
     from parallel.process_group import resolve_device
     from trainer.data import build_datasets

@@ -83,7 +83,7 @@ def test_full_recompute_keeping_attention_gives_the_same_gradients(kind: str) ->
 def test_dca_cuda_graphs_give_the_eager_loss_and_gradients(recompute: str) -> None:
     """Two DCA layers share one captured graph; under full recompute the backward graph runs on
     the kept output and the recomputed q, k, v. Two steps: the second replays."""
-    from models.attention import dca_graphs
+    from models.attention.dca import graphs as dca_graphs
 
     initialize_parallel(torch.device("cuda"), tp=1, seed=0)
     dca_graphs.release()

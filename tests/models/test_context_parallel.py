@@ -32,7 +32,7 @@ from models.attention.cp_variants import (
     cp_chunked_attention,
     cp_dual_chunk_attention,
 )
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca.attention import dual_chunk_attention
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import shutdown

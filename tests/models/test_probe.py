@@ -11,8 +11,8 @@ import torch
 
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.dca import dual_chunk_attention
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.scaling import DCAScaling
 from models.attention.probe import (
     active_probe,
     causal_probabilities,

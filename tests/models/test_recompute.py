@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import models.attention.causal as causal
-import models.attention.dca as dca
+import models.attention.dca.attention as dca
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from tests.conftest import compose_config

@@ -15,12 +15,11 @@ opts in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from models.attention.dca import _Plan
+from models.attention.dca.plan import DCAPlan
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -30,9 +29,9 @@ _CACHE: dict[tuple[Any, ...], DCAGraphs] = {}
 
 class DCAGraphs:
     """The forward (q, k, v -> out, lse) and backward (q, k, v, out, lse, dout -> dq, dk, dv)
-    of one shape and plan, captured from `forward` and `backward` (dca.py's eager passes)."""
+    of one shape and plan, captured from `forward` and `backward` (attention.py's eager passes)."""
 
-    def __init__(self, plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor,
+    def __init__(self, plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, forward: Forward, backward: Backward) -> None:
         self.q, self.k, self.v = (torch.zeros_like(x, memory_format=torch.contiguous_format)
                                   for x in (q, k, v))
@@ -76,7 +75,7 @@ class DCAGraphs:
         return self.dq.clone(), self.dk.clone(), self.dv.clone()
 
 
-def graphs_for(key: tuple[Any, ...], plan: _Plan, scale: float, q: torch.Tensor,
+def graphs_for(key: tuple[Any, ...], plan: DCAPlan, scale: float, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, forward: Forward,
                backward: Backward) -> DCAGraphs:
     """The graphs of `key` (every setting the plan and the kernels depend on), captured on first

@@ -14,13 +14,13 @@ import torch
 
 from models.attention.core import CoreAttention
 from models.attention.cp_variants import cp_dual_chunk_attention
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca.attention import dual_chunk_attention
 from models.attention.probe import dca_probabilities
 from models.rope_scaling import attention_factor
 
 
 class DCACoreAttention(CoreAttention):
-    """Dual Chunk Attention over unrotated q/k (see models/attention/dca.py)."""
+    """Dual Chunk Attention over unrotated q/k (see models/attention/dca/attention.py)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
