@@ -150,7 +150,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
     from ckpt.load import saved_extra
     from ckpt.paths import resolve_checkpoint
-    from models.attention.dca.scaling import DCAScaling, describe
+    from models.attention.dca.scaling import describe
+    from models.attention.registry import dca_scaling
     from parallel.distributed import initialize_parallel, shutdown
     from parallel.process_group import resolve_device
     from trainer.data import build_datasets
@@ -173,10 +174,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         model, tokenizer = _load_model(cfg, saved, ckpt, device)
         label = cfg.attention.kind
         if label == "dca" and cfg.attention.dca_scaling != "none":
-            a = cfg.attention  # the label carries every scaling constant (defaults or not)
-            label += "+" + describe(DCAScaling(a.dca_scaling, a.dca_scaling_parts,
-                                               a.dca_scaling_attn_scale, a.dca_scaling_floor_scale,
-                                               a.dca_scaling_original_length), a.dca_chunk_size)
+            # the label carries every scaling constant (defaults or not)
+            label += "+" + describe(dca_scaling(cfg.attention), cfg.attention.dca_chunk_size)
         if describe_rope(saved.model):
             label += "+" + describe_rope(saved.model)
         log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
