@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention import lse_attention
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca.attention import dual_chunk_attention
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -2,7 +2,7 @@
 
     python -m bench.dca_call_size --seqs 32768,131072 --out call_size.json
 
-The backward cuts its calls to at most `rows_per_call(tokens)` query rows (dca_backward.py: a
+The backward cuts its calls to at most `rows_per_call(tokens)` query rows (dca/backward.py: a
 quarter of the tokens, at least 8192). This runs DCA forward+backward with that budget at a
 quarter, half and all of the tokens (fewer, larger calls) beside cuDNN causal attention on the
 same shape, timed and measured as bench/attention.py does (same settings and flags).
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from bench import attention
-from models.attention import dca_backward
+from models.attention.dca import backward as dca_backward
 
 FRACTIONS = (4, 2, 1)  # budget = tokens // fraction (at least MIN_ROWS_PER_CALL)
 

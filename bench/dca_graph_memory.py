@@ -1,4 +1,4 @@
-"""What DCA's CUDA graphs keep on the GPU (models/attention/dca_graphs.py): memory allocated and
+"""What DCA's CUDA graphs keep on the GPU (models/attention/dca/graphs.py): memory allocated and
 reserved by the first graphed call of each shape (buffers, outputs, the graphs' pools).
 
     python -m bench.dca_graph_memory --seqs 8192,32768 --kv-heads 16,4 --chunk 2048 --local 256
@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from models.attention import dca_graphs
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca import graphs as dca_graphs
+from models.attention.dca.attention import dual_chunk_attention
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 # Settings that decide the parameters; a mismatch may keep every shape (heads x head size).
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "ffn_hidden_size", "gated_linear_unit", "normalization",
-                "add_qkv_bias", "head_wise_attn_gate")
+                "add_qkv_bias", "attention.head_wise_attn_gate")
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -190,7 +191,7 @@ def load_fine_tune_start(source: Source, model: torch.nn.Module) -> CheckpointMe
                               "resume from it instead")
     template = training_state(model, None, is_loading=True, with_rng=False)
     chunks = chunk_list(model)
-    new_gate = (chunks[0].config.head_wise_attn_gate
+    new_gate = (chunks[0].config.attention.head_wise_attn_gate
                 and not any(key.endswith("._gate") for key in ckpt.tensors))
     if new_gate:
         def qkv_only(state: dict[str, Any]) -> dict[str, Any]:
@@ -244,9 +245,9 @@ def architecture_mismatches(ckpt: Checkpoint, config: Any) -> list[str]:
     except (AttributeError, KeyError, ValueError) as e:  # a config from another schema version
         log.warning("cannot rebuild the checkpoint's model config (%s): checking tensors only", e)
         return []
-    return [f"model setting {name}: checkpoint {getattr(saved_config, name)}, this model "
-            f"{getattr(config, name)}"
-            for name in ARCHITECTURE if getattr(saved_config, name) != getattr(config, name)]
+    return [f"model setting {name}: checkpoint {attrgetter(name)(saved_config)}, this model "
+            f"{attrgetter(name)(config)}"
+            for name in ARCHITECTURE if attrgetter(name)(saved_config) != attrgetter(name)(config)]
 
 
 def template_mismatches(ckpt: Checkpoint, template: dict[str, Any], *, with_optimizer: bool,

@@ -19,6 +19,7 @@ from ckpt.layout import TPLayout, checked_layout, is_optimizer_key, is_stacked, 
 from ckpt.optimizer_format import DISTRIBUTED, MASTER, PLAIN, PREFIX, saved_format
 from ckpt.reader import MODEL_WEIGHT, Checkpoint
 from models.gpt import tp_problems, transformer_config
+from models.schema import ParallelConfig
 from parallel.placement import Layout, layout_problems
 
 
@@ -57,7 +58,7 @@ def target_problems(ckpt: Checkpoint, target: Layout) -> list[str]:
         problems.append("--target-dist-opt on: the checkpoint holds model weights only")
     if not problems:  # megatron's own checks, for anything the list above misses
         try:
-            transformer_config(m, meta.attention, tp=tp, pp=pp)
+            transformer_config(m, meta.attention, ParallelConfig(tp=tp, pp=pp))
         except ValueError as e:
             problems.append(str(e))
     return problems

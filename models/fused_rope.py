@@ -2,7 +2,7 @@
 
 megatron applies RoPE to q and k of every standard layer. Its unfused path (rope_utils'
 `_apply_rotary_pos_emb_bshd`) takes cos and sin of the frequency table, casts them to bf16 and
-runs five elementwise kernels per tensor (~5% of a 32K step of the 1.3B model). With
+runs five elementwise kernels per tensor (its share of a step: docs/benchmarks.md). With
 `config.apply_rope_fusion` it calls `rope_utils.fused_apply_rotary_pos_emb` instead, which is
 Transformer Engine's kernel when TE is installed and None otherwise. `install()` puts ours there
 when the slot is empty: one Triton pass each way (`rotate`, on the kernels DCA rotates with),

@@ -7,8 +7,7 @@ and `build_gpt` are its two steps (the megatron config, then the module tree).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -16,32 +15,13 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from models.attention.registry import no_rope_pattern, variant
 from models.config import LongContextConfig
 from models.fused_rope import install as install_fused_rope
+from models.options import BuildOptions
 from models.rope_scaling import RopeScaling, rope_frequencies
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
-from models.spec import block_spec, no_rope_pattern
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """How the model runs, as opposed to what it is: precision, device, recomputation, fusions.
-
-    Field names are `transformer_config`'s keywords (see `TrainerConfig` for their meaning).
-    """
-
-    bf16: bool = False
-    on_gpu: bool = False
-    recompute: str = "none"
-    recompute_modules: tuple[str, ...] = ()
-    recompute_num_layers: int = 0
-    recompute_keep_attention: bool = False
-    fused_norm: bool = False
-    fused_rope: bool = False
-    dca_cuda_graphs: bool = False
-    # False: parameters are allocated but not randomly initialised (every one is about to be
-    # overwritten, e.g. by an import): no fp32 master copies, no init time.
-    initialize: bool = True
+from models.spec import block_spec
 
 
 @dataclass
@@ -149,28 +129,33 @@ def rope_scaling(model: ModelConfig) -> RopeScaling:
     )
 
 
-def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: int = 1,
-                       cp: int = 1, pp: int = 1, vpp: int | None = None,
-                       sequence_parallel: bool = False, bf16: bool = False,
-                       on_gpu: bool = False, recompute: str = "none",
-                       recompute_modules: Sequence[str] = (), recompute_num_layers: int = 0,
-                       recompute_keep_attention: bool = False,
-                       fused_norm: bool = False, fused_rope: bool = False,
-                       dca_cuda_graphs: bool = False,
-                       initialize: bool = True) -> LongContextConfig:
-    """The megatron config for a model shape, attention variant and parallel layout.
+def typed_attention(attention: AttentionConfig) -> AttentionConfig:
+    """An `AttentionConfig` of these settings (a Hydra DictConfig or a saved config's), so the
+    megatron config carries one typed object; a setting the config lacks raises AttributeError."""
+    return AttentionConfig(**{f.name: getattr(attention, f.name) for f in fields(AttentionConfig)})
 
-    `fused_rope` turns on megatron's `apply_rope_fusion` with our Triton kernels
-    (models/fused_rope.py) for the layers megatron rotates; DCA rotates q and k itself, in its
-    own fused kernels, so the setting changes nothing there. `dca_cuda_graphs` (DCA on the GPU
-    only) replays DCA's passes as CUDA graphs (models/attention/dca_graphs.py).
+
+def transformer_config(model: ModelConfig, attention: AttentionConfig,
+                       parallel: ParallelConfig | None = None,
+                       options: BuildOptions = BuildOptions()) -> LongContextConfig:
+    """The megatron config for a model shape, attention variant, parallel layout (default: one
+    rank) and run options.
+
+    `options.fused_rope` turns on megatron's `apply_rope_fusion` with our Triton kernels
+    (models/fused_rope.py) for the layers megatron rotates; a variant that rotates q and k itself
+    (DCA, in its own fused kernels) is unaffected. `options.dca_cuda_graphs` (DCA on the GPU
+    only) replays DCA's passes as CUDA graphs (models/attention/dca/graphs.py).
     """
-    rope_fusion = fused_rope and attention.kind != "dca"
+    attention, parallel = typed_attention(attention), parallel or ParallelConfig()
+    tp, pp, o = parallel.tp, parallel.pp, options
+    vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
+    rope_fusion = o.fused_rope and not variant(attention.kind).own_rope
     if rope_fusion:
         install_fused_rope()
-    no_rope = no_rope_pattern(attention.kind, model.num_layers, attention.global_layer_interval)
-    recompute_kwargs = recompute_options(recompute, list(recompute_modules), recompute_num_layers,
-                                         recompute_keep_attention, model.num_layers)
+    no_rope = no_rope_pattern(attention, model.num_layers)
+    recompute_kwargs = recompute_options(o.recompute, list(o.recompute_modules),
+                                         o.recompute_num_layers, o.recompute_keep_attention,
+                                         model.num_layers)
     return LongContextConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -188,41 +173,29 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig, *, tp: in
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
+        context_parallel_size=parallel.cp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        virtual_pipeline_model_parallel_size=vpp,
         # The dtype of the activations sent between stages (megatron asks for it under PP).
-        pipeline_dtype=(torch.bfloat16 if bf16 else torch.float32) if pp > 1 else None,
-        sequence_parallel=sequence_parallel,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=initialize,
+        pipeline_dtype=(torch.bfloat16 if o.bf16 else torch.float32) if pp > 1 else None,
+        sequence_parallel=parallel.sequence_parallel,
+        bf16=o.bf16,
+        params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
+        use_cpu_initialization=not o.on_gpu,
+        perform_initialization=o.initialize,
         # Fusions that need CUDA (jit/Triton) are on only on the GPU; apex/TE ones stay off.
-        bias_activation_fusion=on_gpu and model.swiglu,
-        bias_dropout_fusion=on_gpu,
+        bias_activation_fusion=o.on_gpu and model.swiglu,
+        bias_dropout_fusion=o.on_gpu,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=rope_fusion,
-        fused_rmsnorm=fused_norm and model.normalization == "RMSNorm",
+        fused_rmsnorm=o.fused_norm and model.normalization == "RMSNorm",
         no_rope_freq=no_rope,
-        attention_kind=attention.kind,
+        attention=attention,
         rope_theta=model.rope_theta,
         rope_scaling=rope_scaling(model),
-        dca_chunk_size=attention.dca_chunk_size,
-        dca_local_size=attention.dca_local_size,
-        dca_scaling=attention.dca_scaling,
-        dca_scaling_parts=attention.dca_scaling_parts,
-        dca_scaling_attn_scale=attention.dca_scaling_attn_scale,
-        dca_scaling_floor_scale=attention.dca_scaling_floor_scale,
-        dca_scaling_original_length=attention.dca_scaling_original_length,
-        dca_cuda_graphs=dca_cuda_graphs and on_gpu,
-        attention_chunk_size=attention.chunk_size,
-        global_layer_interval=attention.global_layer_interval,
-        head_wise_attn_gate=attention.head_wise_attn_gate,
-        head_wise_attn_gate_init_weight_scale=attention.head_wise_attn_gate_init_weight_scale,
-        head_wise_attn_gate_init_bias=attention.head_wise_attn_gate_init_bias,
+        dca_cuda_graphs=o.dca_cuda_graphs and o.on_gpu,
         **recompute_kwargs,
     )
 
@@ -267,10 +240,8 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it is padded as
     every TP size pads it, so checkpoints keep one embedding shape."""
     vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
-    vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
-    config = transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp, pp=parallel.pp,
-                                vpp=vpp, sequence_parallel=parallel.sequence_parallel,
-                                **asdict(options))
+    config = transformer_config(model, attention, parallel, options)
+    vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     chunks = [build_gpt(config, vocab, max_sequence_length, model.untie_embeddings, vp_stage=v)
               for v in stages]

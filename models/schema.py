@@ -49,7 +49,7 @@ class AttentionConfig:
     kind: str = "standard"  # standard | dca | chunked
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
-    # Length-dependent logit scaling for DCA (models/attention/dca_scaling.py; defaults: sources)
+    # Length-dependent logit scaling for DCA (models/attention/dca/scaling.py; defaults: sources)
     dca_scaling: str = "none"  # none | log (Llama 4) | yarn (Qwen2.5-1M)
     dca_scaling_parts: str = "all"  # all | succ_inter | inter
     dca_scaling_attn_scale: float = 0.1

@@ -15,6 +15,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from trainer.errors import UserError
 
@@ -76,7 +77,7 @@ class TrainerConfig:
     fused_norm: bool = False  # RMSNorm as one Triton pass each way on the GPU (models/fused.py)
     fused_rope: bool = False  # megatron's RoPE as one Triton pass each way (models/fused_rope.py)
     # attention=dca: its forward and backward replayed as CUDA graphs, one capture per shape
-    # (models/attention/dca_graphs.py): for short sequences and small chunks, where launching
+    # (models/attention/dca/graphs.py): for short sequences and small chunks, where launching
     # DCA's ~100 kernels takes the host longer than the GPU needs to run them (packed documents
     # and parallel.cp > 1 run eagerly)
     dca_cuda_graphs: bool = False
@@ -142,6 +143,19 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def build_options(trainer: DictConfig, *, bf16: bool, on_gpu: bool) -> BuildOptions:
+    """The model factory's run options from the `trainer` group (precision and device decided by
+    the caller): the one place the trainer's settings become `BuildOptions`."""
+    return BuildOptions(
+        bf16=bf16, on_gpu=on_gpu, recompute=trainer.recompute,
+        recompute_modules=tuple(trainer.recompute_modules),
+        recompute_num_layers=trainer.recompute_num_layers,
+        recompute_keep_attention=trainer.recompute_keep_attention,
+        fused_norm=trainer.fused_norm, fused_rope=trainer.fused_rope,
+        dca_cuda_graphs=trainer.dca_cuda_graphs,
+    )
 
 
 def register_configs() -> None:

@@ -155,7 +155,8 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
-    from models.attention.dca_scaling import DCAScaling, describe
+    from models.attention.dca.scaling import describe
+    from models.attention.registry import dca_scaling
     from parallel.distributed import initialize_parallel, shutdown
     from trainer.data.datasets import build_datasets
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
@@ -178,10 +179,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         model, tokenizer = _load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
         label = cfg.attention.kind
         if label == "dca" and cfg.attention.dca_scaling != "none":
-            a = cfg.attention  # the label carries every scaling constant (defaults or not)
-            label += "+" + describe(DCAScaling(a.dca_scaling, a.dca_scaling_parts,
-                                               a.dca_scaling_attn_scale, a.dca_scaling_floor_scale,
-                                               a.dca_scaling_original_length), a.dca_chunk_size)
+            # the label carries every scaling constant (defaults or not)
+            label += "+" + describe(dca_scaling(cfg.attention), cfg.attention.dca_chunk_size)
         if describe_rope(model_cfg):
             label += "+" + describe_rope(model_cfg)
         log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "

@@ -19,7 +19,7 @@ from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
 from ckpt.save import save_checkpoint
 from models.flops import peak_tflops, training_flops_per_sequence
-from models.gpt import BuildOptions, build_model
+from models.gpt import build_model
 from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import (
     Topology,
@@ -28,7 +28,7 @@ from parallel.distributed import (
     shutdown,
     wrap_chunks,
 )
-from trainer.config import check_known_keys
+from trainer.config import build_options, check_known_keys
 from trainer.data.datasets import DataIterator, build_datasets, validation_batches
 from trainer.evals.passkey import PasskeyMix
 from trainer.init_from import adopt_saved_model, open_load
@@ -139,13 +139,7 @@ class Trainer:
     def _setup_model(self, vocab_size: int) -> None:
         """The GPT from the one factory, wrapped in megatron's DDP; its FLOPs per step."""
         cfg, t = self.cfg, self.cfg.trainer
-        options = BuildOptions(
-            bf16=self.bf16, on_gpu=self.device.type == "cuda",
-            recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
-            recompute_num_layers=t.recompute_num_layers,
-            recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
-            fused_rope=t.fused_rope, dca_cuda_graphs=t.dca_cuda_graphs,
-        )
+        options = build_options(t, bf16=self.bf16, on_gpu=self.device.type == "cuda")
         built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
                             max_sequence_length=t.seq_length, options=options)
         self.model_config, self.vocab_size = built.config, built.vocab_size

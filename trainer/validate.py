@@ -15,8 +15,10 @@ import torch.distributed as dist
 import yaml
 from omegaconf import DictConfig
 
+from models.options import BuildOptions
+from models.schema import ParallelConfig
 from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
-from trainer.config import CONF_DIR, command_line_overrides
+from trainer.config import CONF_DIR, build_options, command_line_overrides
 from trainer.errors import UserError
 
 
@@ -39,11 +41,8 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     _check_micro_batches(cfg, check_layout(cfg.parallel, cfg.model.num_layers, t.seq_length,
                                            world_size))
     _check_data(cfg.data)
-    check_model(cfg.model, cfg.attention, cfg.parallel, bf16=bf16, on_gpu=device.type == "cuda",
-                recompute=t.recompute, recompute_modules=tuple(t.recompute_modules),
-                recompute_num_layers=t.recompute_num_layers,
-                recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
-                fused_rope=t.fused_rope)
+    check_model(cfg.model, cfg.attention, cfg.parallel,
+                build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
     if t.dca_cuda_graphs and cfg.attention.kind != "dca":
         raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
                         f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
@@ -102,7 +101,7 @@ def check_attention_selection(overrides: list[str]) -> None:
 
 
 def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
-                **options: object) -> None:
+                options: BuildOptions = BuildOptions()) -> None:
     """The model's shape and attention settings, through the same megatron config the model
     factory builds (its ValueErrors become one-line user errors, before any tensor exists)."""
     from models.gpt import tp_problems, transformer_config
@@ -126,8 +125,8 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
     if problems:
         raise UserError("; ".join(problems) + ": change parallel.tp or the model")
     try:
-        transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp,
-                           sequence_parallel=parallel.sequence_parallel, **options)
+        transformer_config(model, attention, ParallelConfig(
+            tp=parallel.tp, cp=parallel.cp, sequence_parallel=parallel.sequence_parallel), options)
     except ValueError as err:
         raise UserError(f"model/attention settings: {err}") from err
 

@@ -38,8 +38,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return torch.cat(outs, dim=1)
 
 
-# cuDNN first: on the H100 its causal fwd+bwd runs ~1.7x faster than flash (docs/benchmarks.md);
-# SDPA falls through the list for shapes or options (GQA) a backend refuses.
+# cuDNN first: on the H100 its causal fwd+bwd is the faster one (docs/benchmarks.md, "Attention
+# kernels"); SDPA falls through the list for shapes or options (GQA) a backend refuses.
 _BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -2,7 +2,7 @@
 
 Chunked layers receive q/k already rotated by megatron's RoPE; the interleaved global layers
 (every `global_layer_interval`-th) use the standard causal module and skip RoPE
-(`no_rope_freq`), both chosen per layer in models/spec.py.
+(`no_rope_freq`), both chosen per layer in models/spec.py (models/attention/registry.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from models.attention.probe import chunked_probabilities
 
 
 class ChunkedCoreAttention(CoreAttention):
-    """Causal attention within chunks of `attention_chunk_size` tokens."""
+    """Causal attention within chunks of `attention.chunk_size` tokens."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
-        self.chunk_size = config.attention_chunk_size
+        self.chunk_size = config.attention.chunk_size
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:

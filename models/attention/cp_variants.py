@@ -17,7 +17,7 @@ KV source rank in the load-balanced layout (rank r holds pieces r and 2N-1-r of 
             rotated query, merged by LSE with all the rest of the row's softmax; the causal
             diagonal and the successive staircase of consecutive chunks inside a piece run as
             one call over blocks each (`join_blocks`). A length-dependent scaling
-            (dca_scaling.py) scales each rotated query by its factor, from its global position
+            (dca/scaling.py) scales each rotated query by its factor, from its global position
             and the global sequence length.
 
 Packed sequences (cu_seqlens) are not supported under CP (core.py raises).
@@ -33,9 +33,9 @@ import torch.distributed as dist
 from models.attention.chunked import chunked_attention
 from models.attention.context_parallel import CPPlan, Layout, cp_attention
 from models.attention.cp_calls import Call, coalesce, join_blocks
-from models.attention.dca import _check_qkv, _check_sizes
-from models.attention.dca_calls import INTER, INTRA, SUCCESSIVE
-from models.attention.dca_scaling import DCAScaling, query_factors
+from models.attention.dca.calls import INTER, INTRA, SUCCESSIVE
+from models.attention.dca.plan import check_qkv, check_sizes
+from models.attention.dca.scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
 from models.rope_scaling import RopeScaling
 
@@ -104,7 +104,7 @@ class ChunkedPlan(CPPlan):
         return _chunk_calls(self.layout, dst, src, self.chunk_size, False)
 
 
-class DCAPlan(CPPlan):
+class DCARingPlan(CPPlan):
     """Dual Chunk Attention (ring); rotates q and k from global positions."""
 
     def __init__(self, layout: Layout, chunk_size: int, local_size: int, theta: float,
@@ -153,9 +153,9 @@ class DCAPlan(CPPlan):
 @functools.lru_cache(maxsize=16)
 def _dca_plan(layout: Layout, chunk_size: int, local_size: int, theta: float, mscale: float,
               head_dim: int, dtype: torch.dtype, device: torch.device,
-              scaling: DCAScaling, rope_scaling: RopeScaling | None = None) -> DCAPlan:
+              scaling: DCAScaling, rope_scaling: RopeScaling | None = None) -> DCARingPlan:
     """Cached: every layer of a step asks for the same positions and tables."""
-    return DCAPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device,
+    return DCARingPlan(layout, chunk_size, local_size, theta, mscale, head_dim, dtype, device,
                    scaling, rope_scaling)
 
 
@@ -204,8 +204,8 @@ def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             rope_scaling: RopeScaling | None = None) -> torch.Tensor:
     """Dual Chunk Attention of this CP rank's tokens, q and k *before* RoPE (DCA rotates them
     from each token's global position); otherwise as `dca.dual_chunk_attention`."""
-    _check_sizes(chunk_size, local_size, rope_theta)
-    _check_qkv(q, k, v)
+    check_sizes(chunk_size, local_size, rope_theta)
+    check_qkv(q, k, v)
     layout = _layout(q, k, v, group)
     plan = _dca_plan(layout, chunk_size, local_size, float(rope_theta), float(mscale),
                      q.shape[-1], q.dtype, q.device, scaling or DCAScaling(), rope_scaling)

@@ -147,7 +147,7 @@ class HeadGatedSelfAttention(SelfAttention):
                  pg_collection: ProcessGroupCollection | None = None) -> None:
         fused = replace(submodules, linear_qkv=_linear_qkv_with_gate(
             submodules.linear_qkv, config.num_attention_heads,
-            config.head_wise_attn_gate_init_weight_scale,
+            config.attention.head_wise_attn_gate_init_weight_scale,
         ))
         super().__init__(config=config, submodules=fused, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
@@ -157,7 +157,8 @@ class HeadGatedSelfAttention(SelfAttention):
         self.linear_qkv_out_dim += config.num_attention_heads
         if self.linear_qkv.bias is not None:
             with torch.no_grad():
-                self.linear_qkv.bias[-self.gate_rows:].fill_(config.head_wise_attn_gate_init_bias)
+                bias = config.attention.head_wise_attn_gate_init_bias
+                self.linear_qkv.bias[-self.gate_rows:].fill_(bias)
         self._gate: Tensor | None = None
         self.linear_qkv.register_forward_hook(self._split_off_gate)
         self.linear_proj.register_forward_pre_hook(self._apply_gate)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.attention.dca import _Plan
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca.plan import DCAPlan
+from models.attention.dca.scaling import DCAScaling
 from models.rope_scaling import RopeScaling
 
 
@@ -95,7 +95,7 @@ def dca_probabilities(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scal
                       scaling: DCAScaling, rope_scaling: RopeScaling | None) -> torch.Tensor:
     """Unrotated q, k -> DCA's probabilities: each (query, key) pair's logit from the query
     rotated for its part (intra / successive / inter, with the part's scaling factor)."""
-    plan = _Plan(q, chunk_size, local_size, rope_theta, mscale, None, scaling, rope_scaling)
+    plan = DCAPlan(q, chunk_size, local_size, rope_theta, mscale, None, scaling, rope_scaling)
     q_rot, k_rot = plan.rotate(q, k)  # [parts, b, s, hq, d], [b, s, hk, d]
     logits = torch.stack([_logits(part[:, rows], k_rot, scale) for part in q_rot])
     chunk = torch.arange(q.shape[1], device=q.device) // plan.length

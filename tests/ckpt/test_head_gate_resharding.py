@@ -19,7 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.gpt import build_gpt, transformer_config
-from models.schema import AttentionConfig, ModelConfig
+from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from parallel.distributed import initialize_parallel
 from tests.conftest import (
     FAST,
@@ -45,7 +45,8 @@ def case_id(shape: str, bias: bool, save: int, load: int) -> str:
 def tiny_gpt(shape: str, bias: bool, tp: int, seed: int) -> GPTModel:
     model = ModelConfig(num_layers=2, ffn_hidden_size=64, qkv_bias=bias, init_std=0.2,
                         **SHAPES[shape])
-    config = transformer_config(model, AttentionConfig(head_wise_attn_gate=True), tp=tp)
+    config = transformer_config(model, AttentionConfig(head_wise_attn_gate=True),
+                                ParallelConfig(tp=tp))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return build_gpt(config, VOCAB, SEQ).eval()

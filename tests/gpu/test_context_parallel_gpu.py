@@ -26,7 +26,7 @@ from models.attention.cp_variants import (
     cp_chunked_attention,
     cp_dual_chunk_attention,
 )
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca.attention import dual_chunk_attention
 from tests.conftest import FAST, free_port, read_metrics, run_cli
 from tests.models.test_context_parallel import cp_slice
 

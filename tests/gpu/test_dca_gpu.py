@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.attention import dca_backward
-from models.attention.dca import dual_chunk_attention
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca import backward as dca_backward
+from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.scaling import DCAScaling
 from tests.reference import document_ids, positions_in_document, rope_rotate
 
 pytestmark = [pytest.mark.gpu,

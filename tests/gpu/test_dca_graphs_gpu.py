@@ -1,4 +1,4 @@
-"""DCA replayed as CUDA graphs (models/attention/dca_graphs.py) against the eager path: the same
+"""DCA replayed as CUDA graphs (models/attention/dca/graphs.py) against the eager path: the same
 output, gradients within cuDNN's backward noise, for several "layers" whose forwards all run
 before their backwards (the graph's buffers are shared), and one capture per shape."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import dca_graphs
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca import graphs as dca_graphs
+from models.attention.dca.attention import dual_chunk_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from models.fused import FusedRMSNorm  # noqa: E402
 from models.gpt import build_gpt, transformer_config  # noqa: E402
+from models.options import BuildOptions  # noqa: E402
 from parallel.distributed import initialize_parallel, shutdown  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 from trainer.config import AttentionConfig, ModelConfig  # noqa: E402
@@ -59,8 +60,8 @@ def test_full_recompute_keeping_attention_gives_the_same_gradients(kind: str) ->
         attention = AttentionConfig(kind=kind, dca_chunk_size=1024, dca_local_size=128)
         grads, state = [], None
         for recompute, keep in (("none", False), ("full", True)):
-            config = transformer_config(model, attention, bf16=True, on_gpu=True,
-                                        recompute=recompute, recompute_keep_attention=keep)
+            config = transformer_config(model, attention, options=BuildOptions(
+                bf16=True, on_gpu=True, recompute=recompute, recompute_keep_attention=keep))
             gpt = build_gpt(config, 256, seq).cuda().bfloat16().train()
             # GPU init draws from megatron's RNG tracker: copy the first model's weights.
             state = state or {k: v.clone() if torch.is_tensor(v) else v
@@ -83,7 +84,7 @@ def test_full_recompute_keeping_attention_gives_the_same_gradients(kind: str) ->
 def test_dca_cuda_graphs_give_the_eager_loss_and_gradients(recompute: str) -> None:
     """Two DCA layers share one captured graph; under full recompute the backward graph runs on
     the kept output and the recomputed q, k, v. Two steps: the second replays."""
-    from models.attention import dca_graphs
+    from models.attention.dca import graphs as dca_graphs
 
     initialize_parallel(torch.device("cuda"), tp=1, seed=0)
     dca_graphs.release()
@@ -94,10 +95,9 @@ def test_dca_cuda_graphs_give_the_eager_loss_and_gradients(recompute: str) -> No
         attention = AttentionConfig(kind="dca", dca_chunk_size=1024, dca_local_size=128)
         runs, state = [], None
         for graphs in (False, True):
-            config = transformer_config(model, attention, bf16=True, on_gpu=True,
-                                        recompute=recompute,
-                                        recompute_keep_attention=recompute == "full",
-                                        dca_cuda_graphs=graphs)
+            config = transformer_config(model, attention, options=BuildOptions(
+                bf16=True, on_gpu=True, recompute=recompute,
+                recompute_keep_attention=recompute == "full", dca_cuda_graphs=graphs))
             gpt = build_gpt(config, 256, seq).cuda().bfloat16().train()
             state = state or {k: v.clone() if torch.is_tensor(v) else v
                               for k, v in gpt.state_dict().items()}

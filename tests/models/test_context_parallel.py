@@ -32,9 +32,9 @@ from models.attention.cp_variants import (
     cp_chunked_attention,
     cp_dual_chunk_attention,
 )
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca.attention import dual_chunk_attention
 from models.gpt import build_gpt, transformer_config
-from models.schema import AttentionConfig, ModelConfig
+from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from parallel.distributed import shutdown
 from tests.conftest import FAST, compose_config, read_metrics, spawn, train_on_ranks
 from trainer import eval as eval_entry
@@ -170,7 +170,8 @@ def model_loss_and_grads(kind: str, tp: int,
              "loss_mask": torch.ones(2, SEQ)}
     model_cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                             num_query_groups=2, init_std=0.1)
-    config = transformer_config(model_cfg, AttentionConfig(**KINDS[kind]), tp=tp, cp=cp)
+    config = transformer_config(model_cfg, AttentionConfig(**KINDS[kind]),
+                                ParallelConfig(tp=tp, cp=cp))
     torch.manual_seed(7)  # CPU initialisation: the same weights (TP shards) at every CP size
     model = build_gpt(config, VOCAB, SEQ)
     # The training step's own forward and loss function (trainer/step.py); megatron's schedule
@@ -189,8 +190,8 @@ def model_loss_and_grads(kind: str, tp: int,
 
 def packed_sequence_error() -> str:
     """The error a CP core attention gives for packed (THD) input."""
-    config = transformer_config(ModelConfig(), AttentionConfig(),
-                                cp=parallel_state.get_context_parallel_world_size())
+    config = transformer_config(ModelConfig(), AttentionConfig(), ParallelConfig(
+        cp=parallel_state.get_context_parallel_world_size()))
     core = CausalCoreAttention(config, 1, None, "self")
     x = torch.zeros(8, 4, 32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8]))

@@ -12,9 +12,10 @@ import weakref
 import pytest
 import torch
 
-from models.attention import dca
-from models.attention.dca import dual_chunk_attention
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca import attention as dca
+from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.plan import DCAPlan
+from models.attention.dca.scaling import DCAScaling
 from tests.reference import (
     causal_mask,
     dense_attention,
@@ -248,7 +249,7 @@ def test_bad_shapes() -> None:
 def _general_path(q, k, v, chunk_size: int, local_size: int, cu_seqlens=None) -> torch.Tensor:
     """DCA through the per-part kernels, bypassing the S <= C shortcut."""
     bounds = None if cu_seqlens is None else cu_seqlens.tolist()
-    plan = dca._Plan(q, chunk_size, local_size, 10000.0, 1.0, bounds, DCAScaling())
+    plan = DCAPlan(q, chunk_size, local_size, 10000.0, 1.0, bounds, DCAScaling())
     return dca._DualChunkAttention.apply(q, k, v, plan, q.shape[-1] ** -0.5, None)
 
 
@@ -278,7 +279,7 @@ def test_documents_within_a_chunk_take_one_causal_call(seq: int, cu: list[int] |
 def test_the_shortcut_is_not_taken_where_dca_is_not_causal(seq: int, local_size: int,
                                                            scaling: str) -> None:
     q, _, _ = make_qkv(1, seq, 2, 2, 8)
-    plan = dca._Plan(q, 16, local_size, 10000.0, 1.0, None,
+    plan = DCAPlan(q, 16, local_size, 10000.0, 1.0, None,
                      DCAScaling(kind=scaling, floor_scale=4))
     assert not plan.causal
 
@@ -291,9 +292,9 @@ def test_forward_rotates_one_query_at_a_time(hq: int, hk: int, cu: list[int] | N
     the backward rotates only the rows of each kernel call (test_dca_backward.py), never all
     of q. Packed documents included."""
     rotations: list[weakref.ref] = []
-    rotate_q = dca._Plan.rotate_q
+    rotate_q = DCAPlan.rotate_q
 
-    def tracked(plan: dca._Plan, q: torch.Tensor, part: int,
+    def tracked(plan: DCAPlan, q: torch.Tensor, part: int,
                 rows: slice = slice(None)) -> torch.Tensor:
         if rows != slice(None):  # a row range: the backward's per-call rotation
             return rotate_q(plan, q, part, rows)
@@ -302,7 +303,7 @@ def test_forward_rotates_one_query_at_a_time(hq: int, hk: int, cu: list[int] | N
         rotations.append(weakref.ref(q_rot))
         return q_rot
 
-    monkeypatch.setattr(dca._Plan, "rotate_q", tracked)
+    monkeypatch.setattr(DCAPlan, "rotate_q", tracked)
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     q, k, v = make_qkv(1, 52, hq, hk, 8)
     out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, cu_seqlens=cu_seqlens)
@@ -315,7 +316,7 @@ def test_token_major_kernel_gradients(hq: int, hk: int, monkeypatch: pytest.Monk
     """cuDNN returns gradients in its inputs' (token-major) layout, which the backward reads as
     one piece per call; the math kernel's head-major ones are read block by block. Both give
     the reference's gradients."""
-    from models.attention import dca_backward
+    from models.attention.dca import backward as dca_backward
 
     kernel = dca_backward.attention_backward
 

@@ -1,4 +1,4 @@
-"""The DCA backward's memory schedule (models/attention/dca_backward.py): kernel calls bounded to
+"""The DCA backward's memory schedule (models/attention/dca/backward.py): kernel calls bounded to
 a budget of query rows, rotations made per call and dropped with it. Checked against the dense
 float64 reference at budgets small enough to cut every kind of call, for both inter cuts (MHA
 per key chunk, GQA per query chunk), packed documents and the length scaling."""
@@ -10,10 +10,10 @@ import weakref
 import pytest
 import torch
 
-from models.attention import dca_backward
-from models.attention.dca import dual_chunk_attention
-from models.attention.dca_calls import Call, bounded
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca import backward as dca_backward
+from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.calls import Call, bounded
+from models.attention.dca.scaling import DCAScaling
 from tests.models.test_dca import assert_matches_reference, grads, make_qkv
 from tests.models.test_dca_scaling import (
     check,

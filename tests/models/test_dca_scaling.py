@@ -2,7 +2,7 @@
 against the dense float64 reference with an explicit per-(query, key) logit factor.
 
 The factors are written here from the sources' formulas with `math`, per token, independently of
-models.attention.dca_scaling; the defaults are checked against transformers' Llama 4 config.
+models.attention.dca.scaling; the defaults are checked against transformers' Llama 4 config.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.distributed as dist
 from transformers import Llama4TextConfig
 
 from models.attention.cp_variants import cp_dual_chunk_attention
-from models.attention.dca import dual_chunk_attention
-from models.attention.dca_module import DCACoreAttention
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.module import DCACoreAttention
+from models.attention.dca.scaling import DCAScaling
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from tests.conftest import spawn

@@ -12,6 +12,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from models.fused_rope import fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd
 from models.gpt import build_gpt, transformer_config
+from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig
 
 
@@ -83,7 +84,7 @@ def test_a_model_with_fused_rope_is_the_same_model(single_process, kind: str,
     model = ModelConfig(num_query_groups=2, rope_theta=500000.0)
     attention = AttentionConfig(kind=kind, chunk_size=16, global_layer_interval=2)
     plain_cfg = transformer_config(model, attention)
-    fused_cfg = transformer_config(model, attention, fused_rope=True)
+    fused_cfg = transformer_config(model, attention, options=BuildOptions(fused_rope=True))
     assert fused_cfg.apply_rope_fusion and not plain_cfg.apply_rope_fusion
     assert rope_utils.fused_apply_rotary_pos_emb is fused_apply_rotary_pos_emb  # no TE here
     calls = []
@@ -110,5 +111,5 @@ def test_dca_keeps_its_own_rotation() -> None:
     (turning it on would be refused: models/config.py)."""
     config = transformer_config(ModelConfig(), AttentionConfig(kind="dca", dca_chunk_size=32,
                                                                dca_local_size=8),
-                                fused_rope=True)
+                                options=BuildOptions(fused_rope=True))
     assert not config.apply_rope_fusion

@@ -17,7 +17,8 @@ from models.attention.head_gate import HeadGatedSelfAttention, fused_init
 from models.config import LongContextConfig
 from models.flops import training_flops_per_sequence
 from models.gpt import build_gpt, transformer_config
-from models.schema import AttentionConfig, ModelConfig
+from models.options import BuildOptions
+from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from models.spec import layer_spec
 from tests.conftest import compose_config, spawn
 
@@ -31,13 +32,19 @@ def attention_config(*, tp: int = 1, heads: int = 4, groups: int | None = 2, bia
     """A one-layer gated config; a large init std makes attention peaked, so mistakes show."""
     model = ModelConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads,
                         num_query_groups=groups, qkv_bias=bias, init_std=std)
-    return transformer_config(model, AttentionConfig(head_wise_attn_gate=True, **attention), tp=tp)
+    return transformer_config(model, AttentionConfig(head_wise_attn_gate=True, **attention),
+                              ParallelConfig(tp=tp))
 
 
 def build_attention(config: LongContextConfig) -> SelfAttention:
     """The self-attention module our layer spec builds for `config`."""
     spec = layer_spec(config, CausalCoreAttention).submodules.self_attention
     return build_module(spec, config=config, layer_number=1)
+
+
+def without_gate(config: LongContextConfig) -> LongContextConfig:
+    """The same megatron config with the head gate off."""
+    return replace(config, attention=replace(config.attention, head_wise_attn_gate=False))
 
 
 def without_gate_rows(state: dict[str, Any], rows: int) -> dict[str, Any]:
@@ -48,7 +55,7 @@ def without_gate_rows(state: dict[str, Any], rows: int) -> dict[str, Any]:
 
 def ungated_copy(gated: HeadGatedSelfAttention) -> SelfAttention:
     """megatron's SelfAttention with the gated module's weights minus the gate rows."""
-    plain = build_attention(replace(gated.config, head_wise_attn_gate=False))
+    plain = build_attention(without_gate(gated.config))
     plain.load_state_dict(without_gate_rows(gated.state_dict(), gated.gate_rows))
     return plain
 
@@ -94,7 +101,7 @@ def test_gate_rows_start_small_with_bias_two_and_the_ungated_qkv_rows(single_pro
     torch.manual_seed(3)
     gated = build_attention(config)
     torch.manual_seed(3)
-    plain = build_attention(replace(config, head_wise_attn_gate=False))
+    plain = build_attention(without_gate(config))
     weight, bias = gated.linear_qkv.weight, gated.linear_qkv.bias
     assert weight.shape == (plain.linear_qkv.weight.shape[0] + 8, 128)
     # The QKV rows are drawn first, exactly as the ungated model draws them.
@@ -129,7 +136,7 @@ def test_saturated_gate_reproduces_the_ungated_model_with_every_core(
                           "model.init_std=0.2"] + options)
     config = transformer_config(cfg.model, cfg.attention)
     gated = build_gpt(config, 256, 48).eval()
-    plain = build_gpt(replace(config, head_wise_attn_gate=False), 256, 48).eval()
+    plain = build_gpt(without_gate(config), 256, 48).eval()
     plain.load_state_dict(without_gate_rows(gated.state_dict(), config.num_attention_heads))
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(48).expand_as(tokens)
@@ -173,7 +180,7 @@ def test_matches_megatron_elementwise_gate_with_repeated_rows_forward_and_backwa
     with torch.no_grad():  # a gate that varies per token and head
         gated.linear_qkv.weight[-4:].normal_(0, 0.5)
         gated.linear_qkv.bias[-4:].normal_(0, 1)
-    oracle = build_attention(replace(config, head_wise_attn_gate=False, attention_output_gate=True))
+    oracle = build_attention(replace(without_gate(config), attention_output_gate=True))
     hn = config.kv_channels
     state = gated.state_dict()
     for name in ("linear_qkv.weight", "linear_qkv.bias"):
@@ -258,7 +265,7 @@ def test_activation_recompute_gives_the_same_gradients(single_process, recompute
     grads = []
     for mode in ("none", recompute):
         config = transformer_config(model, AttentionConfig(head_wise_attn_gate=True),
-                                    recompute=mode)
+                                    options=BuildOptions(recompute=mode))
         torch.manual_seed(0)
         gpt = build_gpt(config, 256, SEQ).train()
         tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

@@ -9,13 +9,15 @@ import torch
 from bench.train import matches, merge_overrides
 from models.fused import FusedRMSNorm
 from models.gpt import build_gpt, transformer_config
+from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig
 from trainer.optim import use_fused_adam
 
 
 def test_fused_norm_model_has_the_same_state_and_outputs(single_process) -> None:
     plain = build_gpt(transformer_config(ModelConfig(), AttentionConfig()), 256, 64)
-    fused = build_gpt(transformer_config(ModelConfig(), AttentionConfig(), fused_norm=True),
+    fused = build_gpt(transformer_config(ModelConfig(), AttentionConfig(),
+                                       options=BuildOptions(fused_norm=True)),
                       256, 64)
     layer = fused.decoder.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm)
@@ -34,7 +36,7 @@ def test_fused_norm_needs_rmsnorm() -> None:
                           normalization="LayerNorm", fused_rmsnorm=True)
     # transformer_config leaves LayerNorm models alone rather than failing.
     config = transformer_config(ModelConfig(normalization="LayerNorm"), AttentionConfig(),
-                                fused_norm=True)
+                                options=BuildOptions(fused_norm=True))
     assert not config.fused_rmsnorm
 
 

@@ -11,8 +11,8 @@ import torch
 
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.dca import dual_chunk_attention
-from models.attention.dca_scaling import DCAScaling
+from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.scaling import DCAScaling
 from models.attention.probe import (
     active_probe,
     causal_probabilities,
@@ -22,6 +22,7 @@ from models.attention.probe import (
     record,
 )
 from models.gpt import build_gpt, transformer_config
+from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig
 
 ROWS = torch.tensor([0, 5, 17, 30, 47])
@@ -76,7 +77,8 @@ def test_summary_of_uniform_attention_by_hand() -> None:
 def probe_a_model(attention: AttentionConfig, device: str = "cpu") -> None:
     """Build a two-layer model on `device`, probe two rows of a 96-token forward: every layer
     records a summary, the probe ends with its block, and an unprobed forward still runs."""
-    config = transformer_config(ModelConfig(), attention, on_gpu=device == "cuda")
+    config = transformer_config(ModelConfig(), attention,
+                                options=BuildOptions(on_gpu=device == "cuda"))
     model = build_gpt(config, 256, 128).to(device).eval()
     tokens = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(0))
     tokens, positions = tokens.to(device), torch.arange(96, device=device)[None]

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import models.attention.causal as causal
-import models.attention.dca as dca
+import models.attention.dca.attention as dca
 from models.gpt import build_gpt, transformer_config
+from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig
 from tests.conftest import compose_config
+from trainer.config import build_options
 
 SEQ = 48
 DCA = AttentionConfig(kind="dca", dca_chunk_size=16, dca_local_size=4)  # 4 chunks of L = 12
@@ -32,7 +34,8 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 def gradients(attention: AttentionConfig, **recompute) -> tuple[dict[str, torch.Tensor], object]:
-    config = transformer_config(ModelConfig(init_std=0.2), attention, **recompute)
+    config = transformer_config(ModelConfig(init_std=0.2), attention,
+                                options=BuildOptions(**recompute))
     torch.manual_seed(0)
     gpt = build_gpt(config, 256, SEQ).train()
     tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
@@ -84,10 +87,8 @@ def test_recompute_config_errors_are_clear(overrides: list[str], message: str) -
     cfg = compose_config(overrides)
     t = cfg.trainer
     with pytest.raises(ValueError, match=message):
-        transformer_config(cfg.model, cfg.attention, recompute=t.recompute,
-                           recompute_modules=t.recompute_modules,
-                           recompute_num_layers=t.recompute_num_layers,
-                           recompute_keep_attention=t.recompute_keep_attention)
+        transformer_config(cfg.model, cfg.attention,
+                           options=build_options(t, bf16=False, on_gpu=False))
 
 
 def test_keep_attention_needs_full_recompute() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from models.attention.chunked_module import ChunkedCoreAttention
 from models.attention.core import CausalCoreAttention
-from models.attention.dca_module import DCACoreAttention
+from models.attention.dca.module import DCACoreAttention
 from models.gpt import build_gpt, transformer_config
 from tests.conftest import FAST, compose_config, train_on_ranks
 

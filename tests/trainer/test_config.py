@@ -7,6 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from models.gpt import padded_vocab_size, transformer_config
+from models.schema import ParallelConfig
 from tests.conftest import compose_config
 from trainer.config import check_known_keys
 
@@ -74,7 +75,7 @@ def test_heads_must_divide_by_tp_with_a_clear_message() -> None:
     cfg = compose_config(["model=gpt_125m"])  # 12 heads
     with pytest.raises(ValueError, match=r"num_attention_heads \(12\) must be a multiple of "
                        r"tensor_model_parallel_size \(8\)"):
-        transformer_config(cfg.model, cfg.attention, tp=8)
+        transformer_config(cfg.model, cfg.attention, ParallelConfig(tp=8))
 
 
 def test_vocab_padding_is_independent_of_tp() -> None:

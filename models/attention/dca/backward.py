@@ -21,11 +21,11 @@ and everything here beyond the mandatory out, dq, dk, dv is kept to a fraction o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from models.attention.dca_calls import (
+from models.attention.dca.calls import (
     INTER,
     INTRA,
     Call,
@@ -34,11 +34,9 @@ from models.attention.dca_calls import (
     bounded,
     document_calls,
 )
+from models.attention.dca.plan import DCAPlan
 from models.attention.lse_attention import attention_backward
 from models.attention.rope import rotate_transpose_sum
-
-if TYPE_CHECKING:
-    from models.attention.dca import _Plan
 
 # A call's query rows: at most a quarter of the tokens, but never fewer than this many (below
 # it the calls get too small to fill the GPU, and at 8K the budget is one call per part).
@@ -69,7 +67,7 @@ def rows_per_call(tokens: int) -> int:
     return max(tokens // 4, MIN_ROWS_PER_CALL)
 
 
-def dca_backward(plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]."""
@@ -91,13 +89,13 @@ def dca_backward(plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor, v:
     return dq, dk, dv
 
 
-def _rotated_q(plan: _Plan, doc: _Document, part: int, start: int, count: int) -> torch.Tensor:
+def _rotated_q(plan: DCAPlan, doc: _Document, part: int, start: int, count: int) -> torch.Tensor:
     """Rows [start, start + count) of the document's q rotated for `part`: [count, hq, d]."""
     rows = slice(doc.start + start, doc.start + start + count)  # in the sequence
     return plan.rotate_q(doc.q[None, start:start + count], part, rows)[0]
 
 
-def _rotated_k(plan: _Plan, doc: _Document, start: int, count: int) -> torch.Tensor:
+def _rotated_k(plan: DCAPlan, doc: _Document, start: int, count: int) -> torch.Tensor:
     """Rows [start, start + count) of the document's k rotated as keys: [count, hk, d]."""
     rows = slice(doc.start + start, doc.start + start + count)
     return plan.rotate_k(doc.k[None, start:start + count], rows)[0]
@@ -117,7 +115,7 @@ def _kernel_backward(call: Call, q_rot: torch.Tensor, k_rot: torch.Tensor, doc: 
         causal=call.causal, scale=scale)
 
 
-def _batched_call_backward(plan: _Plan, scale: float, call: Call, doc: _Document) -> None:
+def _batched_call_backward(plan: DCAPlan, scale: float, call: Call, doc: _Document) -> None:
     """An intra (writes) or successive (adds) call's gradients into dq, dk, dv."""
     q_rot = _rotated_q(plan, doc, call.part, call.q0, call.rows * call.blocks)
     k_rot = _rotated_k(plan, doc, call.k0, call.krows * call.blocks)
@@ -139,7 +137,7 @@ def _pieces(grad: torch.Tensor, start: int) -> list[tuple[int, torch.Tensor]]:
     return [(start + j * grad.shape[1], g) for j, g in enumerate(grad)]
 
 
-def _add_dq(plan: _Plan, doc: _Document, part: int, start: int, grad: torch.Tensor,
+def _add_dq(plan: DCAPlan, doc: _Document, part: int, start: int, grad: torch.Tensor,
             accumulate: bool) -> None:
     """dq[start:] (+)= R^T (f grad) for one part (f: its logit factors; grad scaled in place)."""
     rows = slice(start, start + grad.shape[0])
@@ -149,7 +147,7 @@ def _add_dq(plan: _Plan, doc: _Document, part: int, start: int, grad: torch.Tens
                          accumulate)
 
 
-def _add_dkv(plan: _Plan, doc: _Document, start: int, dk: torch.Tensor, dv: torch.Tensor,
+def _add_dkv(plan: DCAPlan, doc: _Document, start: int, dk: torch.Tensor, dv: torch.Tensor,
              accumulate: bool) -> None:
     """dk[start:] (+)= R(r)^T dk and dv[start:] (+)= dv (keys are rotated alike in every part)."""
     rows = slice(start, start + dk.shape[0])
@@ -158,7 +156,7 @@ def _add_dkv(plan: _Plan, doc: _Document, start: int, dk: torch.Tensor, dv: torc
     rotate_transpose_sum([dv], None, plan.cos, plan.sin, doc.dv[rows], accumulate)
 
 
-def _inter_by_query_chunk(plan: _Plan, scale: float, doc: _Document) -> None:
+def _inter_by_query_chunk(plan: DCAPlan, scale: float, doc: _Document) -> None:
     """The inter staircase (query chunk c sees key chunks 0 .. c-2) cut into one call per query
     chunk: each call's dq is complete, its dk/dv overlap on key prefixes and sum in float32
     buffers first. The cut for GQA, whose k/v are the smaller side."""
@@ -181,7 +179,7 @@ def _inter_by_query_chunk(plan: _Plan, scale: float, doc: _Document) -> None:
     _add_dkv(plan, doc, 0, acc_k, acc_v, accumulate=True)
 
 
-def _inter_by_key_chunk(plan: _Plan, scale: float, doc: _Document, budget: int) -> None:
+def _inter_by_key_chunk(plan: DCAPlan, scale: float, doc: _Document, budget: int) -> None:
     """The inter staircase cut per key chunk j (queries from chunk j + 2 on), each query range
     cut again into pieces of at most `budget` rows. dq overlaps across key chunks and sums in
     a float32 buffer (rounded once); a key chunk's dk/dv are added once per piece (at most

@@ -1,11 +1,12 @@
 """megatron core-attention module for Dual Chunk Attention.
 
-The layer skips megatron's RoPE for DCA (`no_rope_freq`, set in models/gpt.py) because DCA
-rotates each query three times with its own per-part positions; q and k arrive unrotated and
-`dual_chunk_attention` applies RoPE itself, computing cos/sin for the positions it needs (up to
-chunk_size itself: the "table" always has its C + 1 rows). Frequencies and the attention factor
+The layer skips megatron's RoPE for DCA (`no_rope_freq`, from the variant's `own_rope` in
+models/attention/registry.py) because DCA rotates each query three times with its own per-part
+positions; q and k arrive unrotated and `dual_chunk_attention` applies RoPE itself, computing
+cos/sin for the positions it needs (up to chunk_size itself: the "table" always has its C + 1
+rows). Frequencies and the attention factor
 (YaRN's mscale) follow the model's RoPE scaling (models/rope_scaling.py). The optional
-length-dependent logit scaling (`dca_scaling`) comes from models/config.py.
+length-dependent logit scaling (`dca_scaling`) comes from the attention config.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ import torch
 
 from models.attention.core import CoreAttention
 from models.attention.cp_variants import cp_dual_chunk_attention
-from models.attention.dca import dual_chunk_attention
+from models.attention.dca.attention import dual_chunk_attention
 from models.attention.probe import dca_probabilities
+from models.attention.registry import dca_scaling
 from models.rope_scaling import attention_factor
 
 
 class DCACoreAttention(CoreAttention):
-    """Dual Chunk Attention over unrotated q/k (see models/attention/dca.py)."""
+    """Dual Chunk Attention over unrotated q/k (see models/attention/dca/attention.py)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
-        self.chunk_size = config.dca_chunk_size
-        self.local_size = config.dca_local_size
+        self.chunk_size = config.attention.dca_chunk_size
+        self.local_size = config.attention.dca_local_size
         self.rope_theta = config.rope_theta
         self.rope_scaling = config.rope_scaling
         self.mscale = attention_factor(config.rope_scaling)
-        self.scaling = config.dca_scaling_config()
+        self.scaling = dca_scaling(config.attention)
         self.cuda_graphs = config.dca_cuda_graphs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

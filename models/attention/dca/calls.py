@@ -5,7 +5,7 @@ Kernel calls per document of N tokens with chunk length L (nf = N div L full chu
   successive: one full call over chunk pairs (c, c - 1) batched, one for the tail;
   inter:      one full call per chunk c >= 2 over keys [0, (c - 1) L).
 The backward bounds its calls (`bounded`: groups of chunks) and may cut the inter staircase per
-key chunk instead (dca_backward.py).
+key chunk instead (backward.py).
 """
 
 from __future__ import annotations

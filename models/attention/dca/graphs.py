@@ -1,26 +1,24 @@
 """Dual Chunk Attention's whole forward and whole backward replayed as CUDA graphs.
 
-With small chunks the host issues DCA's kernels slower than the GPU runs them: at 8K tokens and
-C = 2048 one forward+backward is ~100 kernels (14 cuDNN calls, 42 Triton launches) that take the
-host 8.4 ms and the GPU 2.9 ms (docs/benchmarks.md). Training shapes are static, so each shape
-(with its settings) is captured once, after an eager warm-up that compiles the Triton kernels and
-builds the cuDNN plans; every layer and step then copies its inputs into the graphs' buffers,
-replays, and copies the outputs out: one launch instead of ~100, for ~13 copies of q's size in
-extra memory traffic and the graphs' own memory, kept while the process runs (measured with
-bench/dca_graph_memory.py: 5-8x q's size allocated, 17-31x reserved per shape). Worth it where
-launches dominate (short sequences, small chunks); `dual_chunk_attention(..., cuda_graphs=True)`
-opts in.
+With small chunks the host issues DCA's kernels (about a hundred per forward+backward: the cuDNN
+calls and the Triton rotations and merges) slower than the GPU runs them. Training shapes are
+static, so each shape (with its settings) is captured once, after an eager warm-up that compiles
+the Triton kernels and builds the cuDNN plans; every layer and step then copies its inputs into
+the graphs' buffers, replays, and copies the outputs out: one launch instead of ~100, for ~13
+copies of q's size in extra memory traffic and the graphs' own memory, kept while the process
+runs. Worth it where launches dominate (short sequences, small chunks);
+`dual_chunk_attention(..., cuda_graphs=True)` opts in. What it gains and what memory it keeps:
+docs/benchmarks.md, "DCA as CUDA graphs" (bench/attention.py, bench/dca_graph_memory.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from models.attention.dca import _Plan
+from models.attention.dca.plan import DCAPlan
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -30,9 +28,9 @@ _CACHE: dict[tuple[Any, ...], DCAGraphs] = {}
 
 class DCAGraphs:
     """The forward (q, k, v -> out, lse) and backward (q, k, v, out, lse, dout -> dq, dk, dv)
-    of one shape and plan, captured from `forward` and `backward` (dca.py's eager passes)."""
+    of one shape and plan, captured from `forward` and `backward` (attention.py's eager passes)."""
 
-    def __init__(self, plan: _Plan, scale: float, q: torch.Tensor, k: torch.Tensor,
+    def __init__(self, plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, forward: Forward, backward: Backward) -> None:
         self.q, self.k, self.v = (torch.zeros_like(x, memory_format=torch.contiguous_format)
                                   for x in (q, k, v))
@@ -76,7 +74,7 @@ class DCAGraphs:
         return self.dq.clone(), self.dk.clone(), self.dv.clone()
 
 
-def graphs_for(key: tuple[Any, ...], plan: _Plan, scale: float, q: torch.Tensor,
+def graphs_for(key: tuple[Any, ...], plan: DCAPlan, scale: float, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, forward: Forward,
                backward: Backward) -> DCAGraphs:
     """The graphs of `key` (every setting the plan and the kernels depend on), captured on first

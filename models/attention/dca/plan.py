@@ -1,0 +1,128 @@
+"""What Dual Chunk Attention derives from its arguments before any kernel runs: the checks of
+q, k, v and the sizes, and `DCAPlan` (documents, per-part positions, RoPE tables, logit factors),
+shared by the forward (attention.py), the backward (backward.py), the CUDA graphs (graphs.py),
+the probe (models/attention/probe.py) and, for the checks, the CP form (cp_variants.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+
+from models.attention.dca.scaling import DCAScaling, query_factors
+from models.attention.rope import rope_cos_sin, rotate_multi
+from models.rope_scaling import RopeScaling
+
+
+class DCAPlan:
+    """Everything both passes derive from the arguments: documents, positions, RoPE tables."""
+
+    def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
+                 mscale: float, bounds: list[int] | None, scaling: DCAScaling,
+                 rope_scaling: RopeScaling | None = None) -> None:
+        batch, seq, _, head_dim = q.shape
+        self.length = chunk_size - local_size
+        if bounds is None:
+            self.docs = [(b, 0, seq) for b in range(batch)]
+        else:
+            self.docs = [(0, a, e - a) for a, e in itertools.pairwise(bounds) if e > a]
+        max_chunks = max(-(-n // self.length) for _, _, n in self.docs)
+        self.num_parts = min(3, max_chunks)  # rotations actually needed
+        positions = _positions(seq, chunk_size, local_size,
+                               None if bounds is None else tuple(bounds), q.device)
+        self.positions = positions[:self.num_parts]  # [parts, s]
+        self.in_document = positions[3]  # [s]
+        table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Positions reach C itself (min(r + L, C)), so the table has C + 1 rows.
+        self.cos, self.sin = _tables(chunk_size + 1, head_dim, theta, mscale, table_dtype,
+                                     q.device, rope_scaling)
+        # [parts, s] logit factor per rotated query, or None: no scaling (the default)
+        self.q_scale = query_factors(scaling, chunk_size, seq,
+                                     None if bounds is None else tuple(bounds), self.num_parts,
+                                     table_dtype, q.device)
+        # Documents of at most C tokens (and 2L: no inter part) are causal attention under RoPE
+        # at their own positions: chunk 1's offsets r < w, so its successive query sits at
+        # r + L = p, unclamped, and every relative distance is the true one.
+        longest = max(n for _, _, n in self.docs)
+        self.causal = self.q_scale is None and longest <= min(chunk_size, 2 * self.length)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
+        q_rot = rotate_multi(q, self.positions, self.cos, self.sin)
+        if self.q_scale is not None:
+            q_rot.mul_(self.q_scale[:, None, :, None, None])  # [parts, 1, s, 1, 1]
+        return q_rot, self.rotate_k(k)
+
+    def rotate_q(self, q: torch.Tensor, part: int, rows: slice = slice(None)) -> torch.Tensor:
+        """q [b, s', hq, d] holding sequence rows `rows` (default all), rotated for one part
+        (times that part's logit factors, if any): a contiguous [b, s', hq, d]."""
+        q_rot = rotate_multi(q, self.positions[part:part + 1, rows], self.cos, self.sin)[0]
+        if self.q_scale is not None:
+            q_rot.mul_(self.q_scale[part, rows, None, None])  # [s', 1, 1]
+        return q_rot
+
+    def rotate_k(self, k: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """k [b, s', hk, d] holding sequence rows `rows` (default all), rotated to its in-chunk
+        offset r (the same for every part): a contiguous [b, s', hk, d]."""
+        return rotate_multi(k, self.positions[:1, rows], self.cos, self.sin)[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ...] | None,
+               device: torch.device) -> torch.Tensor:
+    """[4, seq] int32 query positions of every token for intra, successive and inter, then its
+    position in its document (the causal case's).
+
+    Row 0 (r, the in-chunk offset) is also every key's position. Built on the CPU and cached,
+    so a layer's call launches nothing for it; positions restart at each document.
+    """
+    length = chunk_size - local_size
+    in_doc = torch.arange(seq)
+    if bounds is not None:
+        edges = torch.tensor(bounds)
+        in_doc = in_doc - edges[:-1].repeat_interleave(edges.diff())
+    r = in_doc % length
+    succ = torch.clamp(r + length, max=chunk_size)
+    inter = torch.full_like(r, min(2 * length - 1, chunk_size))
+    return torch.stack([r, succ, inter, in_doc]).to(torch.int32).to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(rows: int, head_dim: int, theta: float, mscale: float, dtype: torch.dtype,
+            device: torch.device, scaling: RopeScaling | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-width [rows, d/2] cos and sin tables (cached: every layer asks for the same one)."""
+    cos, sin = rope_cos_sin(torch.arange(rows, device=device), head_dim, theta, mscale,
+                            dtype=dtype, scaling=scaling)
+    return cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
+
+
+def check_sizes(chunk_size: int, local_size: int, rope_theta: float) -> None:
+    for name, value in (("chunk_size", chunk_size), ("local_size", local_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if chunk_size <= local_size:
+        raise ValueError(f"chunk_size ({chunk_size}) must exceed local_size ({local_size})")
+    if rope_theta <= 0:
+        raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq "
+                         "and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"kv heads ({k.shape[2]}) must divide query heads ({q.shape[2]})")
+    if q.shape[3] % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {q.shape[3]}")
+    if q.shape[1] == 0:
+        raise ValueError("sequence length must be positive")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must share dtype and device")
