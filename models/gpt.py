@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from models.attention import kernels
 from models.config import LongContextConfig
 from models.fused_rope import install as install_fused_rope
 from models.rope_scaling import RopeScaling, rope_frequencies
@@ -266,6 +267,8 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     `options.on_gpu`. megatron's parallel state must be initialised for `parallel`.
     `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it is padded as
     every TP size pads it, so checkpoints keep one embedding shape."""
+    # Every attention call of this process uses the kernel the setting resolves to here.
+    kernels.use(getattr(attention, "kernel", "auto"), cuda=options.on_gpu)
     vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
     vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
     config = transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp, pp=parallel.pp,

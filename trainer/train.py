@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ckpt.load import load_checkpoint
 from ckpt.save import save_checkpoint
+from models.attention import kernels
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import BuildOptions, build_model
 from parallel.distributed import (
@@ -108,7 +109,8 @@ class Trainer:
             drop_checkpoints_after(checkpoints_root(cfg, run_dir), self.step)
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
-            config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
+            config=OmegaConf.to_container(cfg, resolve=True)
+            | {"attention_kernel": self.attention_kernel}, wandb_id=wandb_id,
         )
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
             self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
@@ -148,6 +150,7 @@ class Trainer:
         built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
                             max_sequence_length=t.seq_length, options=options)
         self.model_config, self.vocab_size = built.config, built.vocab_size
+        self.attention_kernel = kernels.active()  # resolved: names the run in its metrics
         self.model = wrap_chunks(built.chunks,
                                  distributed_optimizer=cfg.parallel.distributed_optimizer)
         c = built.config
@@ -159,10 +162,11 @@ class Trainer:
             head_wise_gate=cfg.attention.head_wise_attn_gate,
         )
         self.peak = peak_tflops(self.device)
-        log.info("model %s: %.2fM parameters on this rank, attention=%s, tp=%d cp=%d pp=%d dp=%d,"
-                 " %s%s", cfg.model.name,
+        log.info("model %s: %.2fM parameters on this rank, attention=%s (kernel %s), tp=%d cp=%d"
+                 " pp=%d dp=%d, %s%s", cfg.model.name,
                  sum(p.numel() for c in built.chunks for p in c.parameters()) / 1e6,
-                 cfg.attention.kind, self.topo.tp, self.topo.cp, self.topo.pp, self.topo.dp,
+                 cfg.attention.kind, self.attention_kernel, self.topo.tp, self.topo.cp,
+                 self.topo.pp, self.topo.dp,
                  self.device.type, " bf16" if c.bf16 else " fp32")
 
     def _resume(self, ckpt: Path) -> str | None:
@@ -225,7 +229,7 @@ class Trainer:
             "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             "tflops_per_gpu": tflops, "memory_gb": _memory_gb(self.device),
-            "step_time_s": seconds,
+            "step_time_s": seconds, "attention_kernel": self.attention_kernel,
         }
         if self.peak:
             row["mfu"] = tflops / self.peak

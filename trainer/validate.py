@@ -48,6 +48,7 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
                 recompute_num_layers=t.recompute_num_layers,
                 recompute_keep_attention=t.recompute_keep_attention, fused_norm=t.fused_norm,
                 fused_rope=t.fused_rope)
+    check_kernel(cfg.attention.kernel, cuda=device == "cuda")
     if t.dca_cuda_graphs and cfg.attention.kind != "dca":
         raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
                         f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
@@ -134,6 +135,17 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
                            sequence_parallel=parallel.sequence_parallel, **options)
     except ValueError as err:
         raise UserError(f"model/attention settings: {err}") from err
+
+
+def check_kernel(name: str, cuda: bool) -> None:
+    """`attention.kernel` names a kernel that runs here (an explicit fa4 needs FlashAttention-4
+    installed and an SM90+ GPU; auto falls back by itself)."""
+    from models.attention.kernels import resolve
+
+    try:
+        resolve(name, cuda)
+    except ValueError as err:
+        raise UserError(str(err)) from err
 
 
 def check_checkpoint_load(path: str) -> None:
