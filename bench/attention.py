@@ -144,6 +144,9 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
                                    kernel="fa4"),
     "chunked_fa4": lambda a: chunked(a.chunked_size, "fa4"),
+    "dca_graphs_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs_fa4", True, "fa4"),
+    "dca_small_graphs_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
+                                          "dca_graphs_fa4", True, "fa4"),
     # replayed as CUDA graphs (opt-in; their peak_mib leaves out the graphs' pools, measured by
     # bench/dca_graph_memory.py)
     "dca_graphs": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs", True),

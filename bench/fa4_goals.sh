@@ -5,6 +5,8 @@
 #   attn    bench.attention at 32K/128K (16/16, 16/4 heads): cuDNN causal, FA4 causal, DCA on
 #           cuDNN and on FA4 parts, chunked on FA4; a profile of DCA on FA4 at 32K
 #   small   bench.attention at 8K, DCA with C = 2048 (cuDNN, FA4), one call and 20 back to back
+#   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
+#           C = 2048 and 32K C = 8192, one call per sample
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
@@ -32,6 +34,10 @@ for stage in "$@"; do
              --variants sdpa_cudnn,fa4,dca_small,dca_small_fa4 --back-to-back 20 \
              --out "$OUT/attention_8k_b2b.json" >> "$OUT/attention_8k.log" 2>&1
            grep -E "^\| 8192" "$OUT/attention_8k.log" ;;
+    graphs) "$PYTHON" -m bench.attention --seqs 8192,32768 --kv-heads 16,4 --repeats 10 \
+              --warmup 3 --variants sdpa_cudnn,fa4,dca_small_graphs,dca_small_graphs_fa4,dca_graphs_fa4 \
+              --out "$OUT/attention_graphs.json" > "$OUT/attention_graphs.log" 2>&1
+            grep -E "^\| (8192|32768)" "$OUT/attention_graphs.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \

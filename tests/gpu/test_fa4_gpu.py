@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import kernels, lse_attention
+from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
 from models.attention.dca import dual_chunk_attention
-from models.recompute import AttentionKeeper
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
 from tests.reference import causal_mask, dense_attention, document_ids, positions_in_document
 
@@ -92,15 +91,13 @@ def test_causal_packed_is_one_varlen_call(hk: int) -> None:
 
 
 @pytest.mark.parametrize("hk", [8, 2])
-def test_kept_causal_runs_the_lse_calls(hk: int, fa4_counted: dict[str, int]) -> None:
-    """Under full recompute a layer keeps (out, lse): the LSE forward/backward pair of FA4."""
+def test_kept_causal_runs_the_lse_calls(hk: int, fa4_counted: dict[str, int],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under full recompute a layer that keeps (out, lse) (models/recompute.py: inside a
+    checkpointed layer) takes FA4's LSE forward/backward pair."""
+    monkeypatch.setattr(causal, "keeping", lambda: True)
     seq = 2048
-    keeper = AttentionKeeper()
-
-    def kept(q, k, v):  # noqa: ANN001, ANN202
-        with keeper.scope(True):
-            return causal_attention(q, k, v)
-    _check(_errors(kept, causal_mask(seq), *_inputs(seq, 8, hk)))
+    _check(_errors(causal_attention, causal_mask(seq), *_inputs(seq, 8, hk)))
     assert fa4_counted == {"fwd": 1, "bwd": 1}
 
 
@@ -135,14 +132,32 @@ def test_dca_parts(hk: int, packed: bool, fa4_counted: dict[str, int]) -> None:
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 
 
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_parts_replayed_as_cuda_graphs(hk: int, fa4_counted: dict[str, int]) -> None:
+    """FA4's part calls captured in DCA's CUDA graphs (dca_graphs.py): the replays compute
+    the same function (fresh inputs copied into the captured ones)."""
+    seq, hq, chunk, local = 4096, 8, 1024, 128
+    for seed in (0, 1):  # the first call captures, the second replays on new data
+        q, k, v, dout = _inputs(seq, hq, hk, seed)
+        out = dual_chunk_attention(q, k, v, chunk_size=chunk, local_size=local,
+                                   cuda_graphs=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref, leaves = dca_reference_by_part(q, k, v, chunk, local)
+        ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+        errors = [rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+        print("graphs, relative errors out, dq, dk, dv:", errors)
+        _check(errors)
+    assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
+
+
 def test_lse_forward_matches_the_math_path() -> None:
     """FA4's LSE (what the merges weigh parts by) against the float32 math path, full and
     causal, GQA, on [b, h, s, d] views of token-major memory as DCA passes them."""
     q, k, v, _ = _inputs(1024, 8, 2)
     views = [x.detach().transpose(1, 2) for x in (q, k, v)]  # [b, h, s, d]
-    for causal in (False, True):
-        out, lse = kernels.fa4_forward(*views, causal, D ** -0.5)
-        ref_out, ref_lse = lse_attention._math_forward(*(x.float() for x in views), causal,
+    for masked in (False, True):
+        out, lse = kernels.fa4_forward(*views, masked, D ** -0.5)
+        ref_out, ref_lse = lse_attention._math_forward(*(x.float() for x in views), masked,
                                                        D ** -0.5)
         assert rel_err(out, ref_out) < 1e-2
         assert (lse - ref_lse).abs().max() < 1e-2
