@@ -52,6 +52,7 @@ class BuiltModel:
     chunks: list[GPTModel]  # one per virtual pipeline stage; one without interleaving
     config: LongContextConfig
     vocab_size: int  # the padded vocabulary: rows of the embedding and output layer
+    attention_kernel: str = "math"  # what attention.kernel resolved to (kernels.py): run labels
 
     @property
     def gpt(self) -> GPTModel:
@@ -268,7 +269,7 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it is padded as
     every TP size pads it, so checkpoints keep one embedding shape."""
     # Every attention call of this process uses the kernel the setting resolves to here.
-    kernels.use(getattr(attention, "kernel", "auto"), cuda=options.on_gpu)
+    kernel = kernels.use(getattr(attention, "kernel", "auto"), cuda=options.on_gpu)
     vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
     vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
     config = transformer_config(model, attention, tp=parallel.tp, cp=parallel.cp, pp=parallel.pp,
@@ -280,4 +281,4 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     if options.on_gpu:
         for chunk in chunks:
             chunk.cuda()
-    return BuiltModel(chunks, config, vocab)
+    return BuiltModel(chunks, config, vocab, kernel)

@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from ckpt.load import load_checkpoint
 from ckpt.save import save_checkpoint
-from models.attention import kernels
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import BuildOptions, build_model
 from parallel.distributed import (
@@ -150,7 +149,7 @@ class Trainer:
         built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
                             max_sequence_length=t.seq_length, options=options)
         self.model_config, self.vocab_size = built.config, built.vocab_size
-        self.attention_kernel = kernels.active()  # resolved: names the run in its metrics
+        self.attention_kernel = built.attention_kernel  # resolved: names the run's metrics
         self.model = wrap_chunks(built.chunks,
                                  distributed_optimizer=cfg.parallel.distributed_optimizer)
         c = built.config

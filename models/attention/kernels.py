@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "fa4", "cudnn", "flash", "math")
 FA4_INSTALL = 'pip install -e ".[fa4]"'
 
-_state: dict[str, object] = {"active": None, "fa4": None, "fa4_error": None}
+# setting: the requested kernel (attention.kernel); gpu: what it resolved to for CUDA tensors
+# (None until a CUDA call or a GPU build resolves it); fa4 / fa4_error: the lazy import
+_state: dict[str, object] = {"setting": "auto", "gpu": None, "fa4": None, "fa4_error": None}
 
 
 class KernelUnavailable(ValueError):
@@ -76,32 +78,33 @@ def resolve(name: str, cuda: bool | None = None) -> str:
 
 
 def use(name: str, cuda: bool | None = None) -> str:
-    """Make `name` (resolved) the kernel of every attention call from now on; returns it.
-    `auto` logs its choice the first time it resolves in this process."""
+    """Make `name` the kernel of every attention call from now on; returns what runs (on a run
+    without the GPU, `cuda` False: math; a later CUDA call resolves the setting for the GPU).
+    `auto` logs its choice the first time it resolves for the GPU in this process."""
     chosen = resolve(name, cuda)
-    if name == "auto" and _state["active"] != chosen:
-        log.info("attention.kernel=auto chose %s%s", chosen,
-                 "" if chosen == "fa4" or not cuda else
-                 f" (FlashAttention-4: {_state['fa4_error'] or 'needs SM90+'})")
-    _state["active"] = chosen
-    return chosen
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda and name == "auto" and _state["gpu"] != chosen:
+        log.info("attention.kernel=auto chose %s%s", chosen, "" if chosen == "fa4" else
+                 f" (FlashAttention-4: {_state['fa4_error'] or 'needs an SM90+ GPU'})")
+    _state["setting"], _state["gpu"] = name, chosen if cuda else None
+    return chosen if cuda else "math"
 
 
 def active() -> str:
-    """The kernel in use (auto resolves on first call, on a present GPU)."""
-    if _state["active"] is None:
-        use("auto")
-    return _state["active"]  # type: ignore[return-value]
+    """The kernel of CUDA fp16/bf16 attention calls (the setting, resolved on first use)."""
+    if _state["gpu"] is None:
+        use(_state["setting"], cuda=True)  # type: ignore[arg-type]
+    return _state["gpu"]  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
 def using(name: str) -> Iterator[str]:
     """`name` as the kernel inside the block (benchmarks and tests compare kernels)."""
-    before = _state["active"]
+    before = _state["setting"], _state["gpu"]
     try:
-        yield use(name)
+        yield use(name, cuda=True)
     finally:
-        _state["active"] = before
+        _state["setting"], _state["gpu"] = before
 
 
 def fa4_applies(x: torch.Tensor) -> bool:

@@ -17,6 +17,12 @@ from trainer.errors import UserError
 from trainer.validate import check_kernel
 
 
+def _fresh(monkeypatch: pytest.MonkeyPatch, setting: str = "auto", gpu: str | None = None) -> None:
+    """The kernel module's state as a new process with this setting (and GPU choice) has it."""
+    monkeypatch.setattr(kernels, "_state", {"setting": setting, "gpu": gpu, "fa4": None,
+                                            "fa4_error": None})
+
+
 @pytest.fixture
 def no_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
     """FA4 fails to import, and the module's cached import state is fresh."""
@@ -28,11 +34,11 @@ def no_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    monkeypatch.setattr(kernels, "_state", {"active": None, "fa4": None, "fa4_error": None})
+    _fresh(monkeypatch)
 
 
 def test_auto_without_a_gpu_is_math_and_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_state", {"active": None, "fa4": None, "fa4_error": None})
+    _fresh(monkeypatch)
     assert kernels.resolve("auto", cuda=False) == "math"
     assert kernels._state["fa4_error"] is None and kernels._state["fa4"] is None  # not tried
     q, k, v = (torch.randn(1, 16, h, 8) for h in (4, 2, 2))
@@ -97,15 +103,28 @@ def test_lse_backends_follow_the_setting(monkeypatch: pytest.MonkeyPatch, kernel
                                          order: list[str]) -> None:
     """The LSE part calls (DCA, CP, kept causal) try the chosen kernel first; CPU and fp32
     tensors take the math path whatever the setting."""
-    monkeypatch.setattr(kernels, "_state", {"active": kernel, "fa4": None, "fa4_error": None})
+    _fresh(monkeypatch, kernel, kernel)
     cuda_bf16 = torch.empty(1, 2, 4, 8, dtype=torch.bfloat16, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert _backends(cuda_bf16, cuda_bf16, True) == order
     assert _backends(cuda_bf16.float(), cuda_bf16.float(), True) == ["math"]
 
 
+def test_a_cpu_build_leaves_the_gpu_choice_to_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model built for the CPU (math) in a process that later runs CUDA attention (the test
+    suite on the GPU machine) must not pin CUDA calls to the math path: they resolve the
+    setting for the GPU on first use."""
+    _fresh(monkeypatch)
+    monkeypatch.setattr(kernels, "_sm90_or_newer", lambda: False)
+    assert kernels.use("auto", cuda=False) == "math"
+    assert kernels.active() == "cudnn"  # what auto means for a pre-SM90 or FA4-less GPU
+    assert kernels.use("flash", cuda=False) == "math"  # what the CPU run computes with
+    assert kernels.active() == "flash"
+
+
 def test_using_restores_the_previous_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_state", {"active": "cudnn", "fa4": None, "fa4_error": None})
+    _fresh(monkeypatch, "cudnn", "cudnn")
     with kernels.using("math"):
         assert kernels.active() == "math"
     assert kernels.active() == "cudnn"
