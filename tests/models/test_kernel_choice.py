@@ -5,7 +5,10 @@ attention never imports FA4."""
 from __future__ import annotations
 
 import builtins
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch
 from models.attention import kernels
 from models.attention.causal import causal_attention
 from models.attention.lse_attention import _backends
+from tests.conftest import FAST
 from trainer.errors import UserError
 from trainer.validate import check_kernel
 
@@ -128,3 +132,17 @@ def test_using_restores_the_previous_kernel(monkeypatch: pytest.MonkeyPatch) -> 
     with kernels.using("math"):
         assert kernels.active() == "math"
     assert kernels.active() == "cudnn"
+
+
+@pytest.mark.slow
+def test_the_trainer_refuses_a_bad_kernel_in_one_line(tmp_path: Path) -> None:
+    """The setting is checked with the run's other settings, before data or model exist: one
+    `error:` line naming it, exit 2 (the same path an explicit fa4 without FA4 takes on a GPU)."""
+    proc = subprocess.run([sys.executable, "-m", "trainer", *FAST, "hydra.run.dir=run",
+                           "attention.kernel=fast"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if line.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and "attention.kernel='fast' is unknown" in errors[0]
