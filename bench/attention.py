@@ -1,6 +1,11 @@
 """Attention kernel benchmark: DCA and chunked attention against torch SDPA causal attention.
 
     python -m bench.attention --seqs 8192,32768,131072 --out results.json
+    python -m bench.attention --variants sdpa_cudnn,fa4,dca,dca_fa4 --seqs 32768   # FA4 rows
+
+Variants run under the attention kernel they name (models/attention/kernels.py): the plain
+names under cudnn (today's default off SM90 or without FlashAttention-4), `*_fa4` under fa4
+(`fa4` itself: FA4's causal `flash_attn_func`).
 
 Every variant takes q, k, v as [batch, seq, heads, head_dim] bf16 (SDPA gets [b, h, s, d]
 views of the same memory). DCA rotates q and k itself (its three query rotations are part of its
@@ -31,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.attention import lse_attention
+from models.attention import kernels, lse_attention
 from models.attention.dca.attention import dual_chunk_attention
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,6 +50,7 @@ class Variant:
     # False where memory the variant keeps between calls (CUDA graphs' pools) is outside the
     # measured peak: such a peak is no figure to judge a memory goal on
     peak_complete: bool = True
+    kernel: str = "cudnn"  # attention.kernel while it runs (kernels.py)
 
 
 def causal_flops(b: int, h: int, s: int, d: int) -> float:
@@ -95,16 +101,22 @@ def flex(mode: str = "default") -> Variant:
     return Variant("flex" if mode == "default" else f"flex({mode})", fn, causal_flops)
 
 
+def fa4() -> Variant:
+    """FlashAttention-4's causal attention (what standard attention runs under kernel fa4)."""
+    from models.attention.causal import causal_attention
+    return Variant("fa4", lambda q, k, v: causal_attention(q, k, v), causal_flops, kernel="fa4")
+
+
 def dca(chunk_size: int, local_size: int, name: str = "dca",
-        cuda_graphs: bool = False) -> Variant:
+        cuda_graphs: bool = False, kernel: str = "cudnn") -> Variant:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
                                     cuda_graphs=cuda_graphs)
     return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops,
-                   peak_complete=not cuda_graphs)
+                   peak_complete=not cuda_graphs, kernel=kernel)
 
 
-def chunked(chunk_size: int) -> Variant | None:
+def chunked(chunk_size: int, kernel: str = "cudnn") -> Variant | None:
     try:
         from models.attention.chunked import chunked_attention
     except ImportError:
@@ -112,7 +124,9 @@ def chunked(chunk_size: int) -> Variant | None:
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return chunked_attention(q, k, v, chunk_size=chunk_size)
-    return Variant(f"chunked(C={chunk_size})", fn, chunked_flops(chunk_size))
+    suffix = "" if kernel == "cudnn" else f"_{kernel}"
+    return Variant(f"chunked{suffix}(C={chunk_size})", fn, chunked_flops(chunk_size),
+                   kernel=kernel)
 
 
 # name -> builder(args); a builder returns None when its variant is unavailable.
@@ -124,15 +138,24 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca": lambda a: dca(a.dca_chunk, a.dca_local),
     "dca_small": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca"),
     "chunked": lambda a: chunked(a.chunked_size),
+    # FlashAttention-4 (opt-in: needs `pip install -e ".[fa4]"` and an SM90+ GPU)
+    "fa4": lambda a: fa4(),
+    "dca_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4", kernel="fa4"),
+    "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
+                                   kernel="fa4"),
+    "chunked_fa4": lambda a: chunked(a.chunked_size, "fa4"),
+    "dca_graphs_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs_fa4", True, "fa4"),
+    "dca_small_graphs_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
+                                          "dca_graphs_fa4", True, "fa4"),
     # replayed as CUDA graphs (opt-in; their peak_mib leaves out the graphs' pools, measured by
     # bench/dca_graph_memory.py)
     "dca_graphs": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs", True),
     "dca_small_graphs": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_graphs",
                                       True),
 }
-# flex is opt-in: it compiles (and autotunes) per shape
+# flex is opt-in: it compiles (and autotunes) per shape; FA4 needs its optional install
 DEFAULT_VARIANTS = [name for name in REGISTRY if "graphs" not in name
-                    and not name.startswith("flex")]
+                    and not name.startswith("flex") and "fa4" not in name]
 
 
 def time_ms(step: Callable[[], object], warmup: int, repeats: int,
@@ -171,6 +194,12 @@ def host_time_ms(step: Callable[[], object], repeats: int = 3) -> float:
 
 def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
             args: argparse.Namespace) -> dict[str, object]:
+    with kernels.using(variant.kernel):
+        return _measure(variant, seq, heads, kv_heads, dim, args)
+
+
+def _measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
+             args: argparse.Namespace) -> dict[str, object]:
     q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for h in (heads, kv_heads, kv_heads))
     dout = torch.randn_like(q)
@@ -197,25 +226,29 @@ def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
             "fwd_min_ms": min(fwd_times), "fwd_bwd_min_ms": min(fwd_bwd_times),
             "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
             "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
-            "peak_complete": variant.peak_complete}
+            "peak_complete": variant.peak_complete, "kernel": variant.kernel}
 
 
 def markdown(rows: list[dict[str, object]]) -> str:
-    header = ("| seq | heads q/kv | variant | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
-              "fwd+bwd TFLOP/s | vs cudnn (fwd / fwd+bwd) | peak MiB |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
-    base = {(r["seq"], r["kv_heads"]): r for r in rows if r["variant"] == "sdpa_cudnn"
-            and "error" not in r}
+    header = ("| seq | heads q/kv | variant | kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
+              "fwd+bwd TFLOP/s | vs cudnn (fwd / fwd+bwd) | vs fa4 (fwd+bwd) | peak MiB |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def by_shape(name: str) -> dict[tuple, dict[str, object]]:
+        return {(r["seq"], r["kv_heads"]): r for r in rows if r["variant"] == name
+                and "error" not in r}
+    base, fa4_base = by_shape("sdpa_cudnn"), by_shape("fa4")
     for r in rows:
-        head = f"| {r['seq']} | {r['heads']}/{r['kv_heads']} | {r['variant']} |"
+        head = (f"| {r['seq']} | {r['heads']}/{r['kv_heads']} | {r['variant']} | "
+                f"{r.get('kernel', '')} |")
         if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | |")
+            lines.append(f"{head} {r['error']} | | | | | | |")
             continue
-        ref = base.get((r["seq"], r["kv_heads"]))
+        ref, ref4 = base.get((r["seq"], r["kv_heads"])), fa4_base.get((r["seq"], r["kv_heads"]))
         ratio = (f"{ref['fwd_ms'] / r['fwd_ms']:.2f}x / {ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x"
                  if ref else "n/a")
+        ratio4 = f"{ref4['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ref4 else "n/a"
         lines.append(f"{head} {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} "
-                     f"| {r['fwd_bwd_tflops']:.0f} | {ratio} | {r['peak_mib']:.0f} |")
+                     f"| {r['fwd_bwd_tflops']:.0f} | {ratio} | {ratio4} | {r['peak_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -252,21 +285,22 @@ def profile(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
     q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for h in (heads, kv_heads, kv_heads))
     dout = torch.randn_like(q)
-    for _ in range(2):
-        torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+    with kernels.using(variant.kernel):
+        for _ in range(2):
+            torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
         torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+            torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    launched = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages()
     tables = (table.table(sort_by=key, row_limit=12, max_name_column_width=60)
               for key in ("self_cuda_time_total", "self_cpu_time_total"))
-    return "\n".join([gpu_timeline(kernels), *tables])
+    return "\n".join([gpu_timeline(launched), *tables])
 
 
 def add_variant_args(parser: argparse.ArgumentParser) -> None:

@@ -114,6 +114,7 @@ def summarize(rows: list[dict[str, Any]], warmup: int, profiled: bool) -> dict[s
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
         "timed_steps": len(timed),
+        "kernel": rows[0].get("attention_kernel", "?"),  # as the run resolved attention.kernel
     }
 
 
@@ -319,12 +320,13 @@ def main() -> None:
     cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
     print(f"\n{device}, torch {torch.__version__}, cuDNN {cudnn}, megatron-core "
           f"{megatron.core.__version__}, overrides: {' '.join(args.extra) or '-'}\n")
-    print("| model | attention | seq | variant | GPUs | tokens/s | TFLOP/s per GPU | MFU | "
-          "SM clock, power (busy medians) | peak GB (alloc, max over GPUs / reserved, GPU 0) "
+    print("| model | attention (kernel) | seq | variant | GPUs | tokens/s | TFLOP/s per GPU | "
+          "MFU | SM clock, power (busy medians) | peak GB (alloc, max over GPUs / reserved, GPU 0) "
           "| loss first→last |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        head = f"| {r['model']} | {r['attention']} | {r['seq']} | {r['variant']} | {r['gpus']} |"
+        attention = f"{r['attention']} ({r['kernel']})" if "kernel" in r else r["attention"]
+        head = f"| {r['model']} | {attention} | {r['seq']} | {r['variant']} | {r['gpus']} |"
         if "error" in r:
             print(f"{head} {r['error'][:60]} | | | | {r.get('reserved_gb', 0):.1f} reserved | |")
             continue

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from models.attention import kernels
 from models.attention.registry import no_rope_pattern, variant
 from models.config import LongContextConfig
 from models.fused_rope import install as install_fused_rope
@@ -31,6 +32,7 @@ class BuiltModel:
     chunks: list[GPTModel]  # one per virtual pipeline stage; one without interleaving
     config: LongContextConfig
     vocab_size: int  # the padded vocabulary: rows of the embedding and output layer
+    attention_kernel: str = "math"  # what attention.kernel resolved to (kernels.py): run labels
 
     @property
     def gpt(self) -> GPTModel:
@@ -239,6 +241,8 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     `options.on_gpu`. megatron's parallel state must be initialised for `parallel`.
     `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it is padded as
     every TP size pads it, so checkpoints keep one embedding shape."""
+    # Every attention call of this process uses the kernel the setting resolves to here.
+    kernel = kernels.use(getattr(attention, "kernel", "auto"), cuda=options.on_gpu)
     vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
     config = transformer_config(model, attention, parallel, options)
     vpp = config.virtual_pipeline_model_parallel_size
@@ -248,4 +252,4 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     if options.on_gpu:
         for chunk in chunks:
             chunk.cuda()
-    return BuiltModel(chunks, config, vocab)
+    return BuiltModel(chunks, config, vocab, kernel)

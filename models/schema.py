@@ -47,6 +47,9 @@ class AttentionConfig:
     """Core attention variant. `+attention=<name>` selects one of `conf/attention/*.yaml`."""
 
     kind: str = "standard"  # standard | dca | chunked
+    # GPU kernel of every attention kind (models/attention/kernels.py): auto (FlashAttention-4
+    # on SM90+ when installed, else cudnn) | fa4 | cudnn | flash | math
+    kernel: str = "auto"
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
     # Length-dependent logit scaling for DCA (models/attention/dca/scaling.py; defaults: sources)

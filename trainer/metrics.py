@@ -60,7 +60,9 @@ class MetricsLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            # labels (the attention kernel) are in the run's config; the history holds numbers
+            self.wandb_run.log({k: v for k, v in row.items()
+                                if k != "step" and not isinstance(v, str)}, step=row["step"])
 
     def finish(self) -> None:
         if self.wandb_run is not None:

@@ -108,7 +108,8 @@ class Trainer:
             drop_checkpoints_after(checkpoints_root(cfg, run_dir), self.step)
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
-            config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id,
+            config=OmegaConf.to_container(cfg, resolve=True)
+            | {"attention_kernel": self.attention_kernel}, wandb_id=wandb_id,
         )
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
             self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
@@ -143,6 +144,7 @@ class Trainer:
         built = build_model(cfg.model, cfg.attention, cfg.parallel, vocab_size=vocab_size,
                             max_sequence_length=t.seq_length, options=options)
         self.model_config, self.vocab_size = built.config, built.vocab_size
+        self.attention_kernel = built.attention_kernel  # resolved: names the run's metrics
         self.model = wrap_chunks(built.chunks,
                                  distributed_optimizer=cfg.parallel.distributed_optimizer)
         c = built.config
@@ -154,11 +156,11 @@ class Trainer:
             head_wise_gate=cfg.attention.head_wise_attn_gate,
         )
         self.peak = peak_tflops(self.device)
-        log.info("model %s: %.2fM parameters on this rank, attention=%s, %s, %s%s",
+        log.info("model %s: %.2fM parameters on this rank, attention=%s (kernel %s), %s, %s%s",
                  cfg.model.name,
                  sum(p.numel() for c in built.chunks for p in c.parameters()) / 1e6,
-                 cfg.attention.kind, self.topo.layout.describe(), self.device.type,
-                 " bf16" if c.bf16 else " fp32")
+                 cfg.attention.kind, self.attention_kernel, self.topo.layout.describe(),
+                 self.device.type, " bf16" if c.bf16 else " fp32")
 
     def _resume(self, ckpt: Checkpoint) -> str | None:
         log.info("resuming from %s", ckpt.path)
@@ -217,7 +219,7 @@ class Trainer:
             "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             "tflops_per_gpu": tflops, "memory_gb": _memory_gb(self.device),
-            "step_time_s": seconds,
+            "step_time_s": seconds, "attention_kernel": self.attention_kernel,
         }
         if self.peak:
             row["mfu"] = tflops / self.peak

@@ -43,6 +43,7 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     _check_data(cfg.data)
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
+    check_kernel(cfg.attention.kernel, cuda=device.type == "cuda")
     if t.dca_cuda_graphs and cfg.attention.kind != "dca":
         raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
                         f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
@@ -129,6 +130,17 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
             tp=parallel.tp, cp=parallel.cp, sequence_parallel=parallel.sequence_parallel), options)
     except ValueError as err:
         raise UserError(f"model/attention settings: {err}") from err
+
+
+def check_kernel(name: str, cuda: bool) -> None:
+    """`attention.kernel` names a kernel that runs here (an explicit fa4 needs FlashAttention-4
+    installed and an SM90+ GPU; auto falls back by itself)."""
+    from models.attention.kernels import resolve
+
+    try:
+        resolve(name, cuda)
+    except ValueError as err:
+        raise UserError(str(err)) from err
 
 
 def placement(device: str, precision: str) -> tuple[torch.device, bool]:

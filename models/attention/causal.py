@@ -1,4 +1,5 @@
-"""Standard causal attention: torch SDPA, GQA without repeated K/V, packed sequences."""
+"""Standard causal attention: FlashAttention-4 or torch SDPA (the `attention.kernel` setting,
+kernels.py), GQA without repeated K/V, packed sequences."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from models.attention import kernels
 from models.attention.lse_attention import attention_backward, attention_forward
 from models.recompute import keep_attention, keeping, kept_attention
 
@@ -28,9 +30,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if keeping():  # a recomputed layer that keeps its attention (models/recompute.py)
             scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
             return _KeptCausalAttention.apply(q, k, v, scale)
+        if kernels.fa4_applies(q):
+            return kernels.fa4_causal(q, k, v, softmax_scale)
         return _sdpa_causal(q, k, v, softmax_scale)
     if q.shape[0] != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got {q.shape[0]}")
+    if kernels.fa4_applies(q):  # one varlen call for all documents
+        return kernels.fa4_causal(q, k, v, softmax_scale, cu_seqlens)
     bounds = cu_seqlens.tolist()
     # Documents are independent causal problems; one SDPA call each keeps memory O(doc^2) at worst.
     outs = [_sdpa_causal(q[:, a:b], k[:, a:b], v[:, a:b], softmax_scale)
@@ -42,11 +48,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 # kernels"); SDPA falls through the list for shapes or options (GQA) a backend refuses.
 _BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_BACKENDS_FOR = {"flash": _BACKENDS[1:], "math": _BACKENDS[3:]}  # others: _BACKENDS
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  softmax_scale: float | None) -> torch.Tensor:
-    with sdpa_kernel(_BACKENDS, set_priority=True):
+    """SDPA's causal attention under the kernel setting (CPU tensors: SDPA's own choice)."""
+    backends = _BACKENDS_FOR.get(kernels.active(), _BACKENDS) if q.is_cuda else _BACKENDS
+    with sdpa_kernel(backends, set_priority=True):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, h, s, d]
             is_causal=True, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],

@@ -7,7 +7,8 @@ Implementation: every chunk is an independent causal attention problem, so the c
 into the batch dimension of a single causal ``scaled_dot_product_attention`` call (no mask tensor,
 so the fused flash / memory-efficient kernels stay eligible). Chunks shorter than C (the tail of a
 sequence, short documents) go into one extra causal call per distinct length instead of being
-padded to C.
+padded to C. Under FlashAttention-4 (`attention.kernel`, kernels.py) the chunks of a batch-1
+sequence, packed or not, are the sequences of one varlen call instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from models.attention import kernels
 
 __all__ = ["chunked_attention"]
 
@@ -39,15 +42,27 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chun
         [b, s, hq, dv] attention output in q's dtype.
     """
     _validate(q, k, v, chunk_size)
+    if kernels.fa4_applies(q) and q.shape[0] == 1:
+        bounds = ([0, q.shape[1]] if cu_seqlens is None
+                  else _validate_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1]))
+        return kernels.fa4_causal(q, k, v, softmax_scale, _chunk_bounds(bounds, chunk_size))
     if cu_seqlens is None:
         return _chunked_contiguous(q, k, v, chunk_size, softmax_scale)
     bounds = _validate_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     return _chunked_packed(q, k, v, chunk_size, softmax_scale, bounds)
 
 
+def _chunk_bounds(bounds: list[int], chunk_size: int) -> torch.Tensor:
+    """Cumulative lengths of the chunks of documents with cumulative lengths `bounds`."""
+    edges = [start for a, b in zip(bounds[:-1], bounds[1:]) for start in range(a, b, chunk_size)]
+    return torch.tensor(edges + [bounds[-1]], dtype=torch.int32)
+
+
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             softmax_scale: float | None) -> torch.Tensor:
     """Plain causal attention on [B, L, h, d] tensors (each batch entry is one chunk)."""
+    if kernels.fa4_applies(q):
+        return kernels.fa4_causal(q, k, v, softmax_scale)
     # enable_gqa only when needed: some fused backends reject the flag even with equal heads.
     gqa = q.shape[2] != k.shape[2]
     out = F.scaled_dot_product_attention(  # [B, hq, L, dv]

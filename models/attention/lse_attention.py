@@ -11,9 +11,11 @@ backward recomputes P = exp(S * scale - lse), which with the merged lse is the g
 probability, and delta = rowsum(dO * out) with the merged out is the global delta, so the
 per-part dq, dk, dv are exact and simply add up.
 
-Backends: on CUDA with fp16/bf16, torch's cuDNN SDPA ops, falling back to its flash ops when
-cuDNN refuses the shape; otherwise (CPU, float32/float64 on any device) a plain math path, which
-materialises the score matrix and is meant for tests and small problems.
+Backends: on CUDA with fp16/bf16, the kernel `attention.kernel` chose (kernels.py): FlashAttention-4
+(`_flash_attn_fwd` with its LSE, `_flash_attn_bwd` with the merged out/LSE), or torch's cuDNN
+SDPA ops, or its flash ops; a kernel that refuses a shape falls through to the next (fa4 ->
+cudnn -> flash -> math). Otherwise (CPU, float32/float64 on any device, or kernel math) a plain
+math path, which materialises the score matrix and is meant for tests and small problems.
 
 Layouts: q [b, hq, sq, d]; k, v [b, hk, sk, d] with hk dividing hq (GQA is native everywhere:
 K/V are never repeated); any strides with a unit last stride. lse is [b, hq, sq], float32
@@ -26,6 +28,7 @@ import os
 
 import torch
 
+from models.attention import kernels
 from models.attention.rope import triton
 
 if triton is not None:
@@ -45,7 +48,15 @@ def _backends(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return ["math"]
     key = _shape_key(q, k, causal)
-    return [name for name in ("cudnn", "flash") if (name, *key) not in REFUSED] + ["math"]
+    order = _ORDER[kernels.active()]
+    return [name for name in order if (name, *key) not in REFUSED] + ["math"]
+
+
+# The kernel setting -> backends to try before math (each falls through on a refused shape).
+_ORDER = {"fa4": ("fa4", "cudnn", "flash"), "cudnn": ("cudnn", "flash"), "flash": ("flash",),
+          "math": ()}
+# What a refusing kernel raises: torch's ops RuntimeError, FA4's asserts and checks the others.
+_REFUSALS = (RuntimeError, AssertionError, ValueError, NotImplementedError)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -61,8 +72,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
             return _FORWARDS[name](q, k, v, causal, scale)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError:
-            # cuDNN/flash reject some shapes (head dim, alignment); remember and fall through.
+        except _REFUSALS:
+            # the kernels reject some shapes (head dim, alignment); remember and fall through.
             REFUSED.add((name, *_shape_key(q, k, causal)))
     raise AssertionError("unreachable: the math backend always runs")
 
@@ -81,7 +92,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             return _BACKWARDS[name](dout, q, k, v, out, lse, causal, scale)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError:
+        except _REFUSALS:
             REFUSED.add((name, *_shape_key(q, k, causal)))
     raise AssertionError("unreachable: the math backend always runs")
 
@@ -125,8 +136,8 @@ def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return dq, dk, dv
 
 
-_FORWARDS = {"cudnn": _cudnn_forward, "flash": _flash_forward}
-_BACKWARDS = {"cudnn": _cudnn_backward, "flash": _flash_backward}
+_FORWARDS = {"fa4": kernels.fa4_forward, "cudnn": _cudnn_forward, "flash": _flash_forward}
+_BACKWARDS = {"fa4": kernels.fa4_backward, "cudnn": _cudnn_backward, "flash": _flash_backward}
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from models.attention import kernels
 from models.attention.causal import causal_attention
 from models.attention.dca.backward import dca_backward
 from models.attention.dca.calls import INTER, Call, blocks, document_calls
@@ -156,7 +157,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     if (cuda_graphs and bounds is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and not torch.cuda.is_current_stream_capturing()):
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
-               float(mscale), scale, scaling, rope_scaling)
+               float(mscale), scale, scaling, rope_scaling, kernels.active())
         graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 

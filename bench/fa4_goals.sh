@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 32's measurements on one H100 (FlashAttention-4 installed; see README "Long sequences"),
+# one process per table, logs and JSON under $OUT:
+#   tests   the FA4 GPU tests (tests/gpu/test_fa4_gpu.py) and the cuDNN DCA test beside them
+#   attn    bench.attention at 32K/128K (16/16, 16/4 heads): cuDNN causal, FA4 causal, DCA on
+#           cuDNN and on FA4 parts, chunked on FA4; a profile of DCA on FA4 at 32K
+#   small   bench.attention at 8K, DCA with C = 2048 (cuDNN, FA4), one call and 20 back to back
+#   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
+#           C = 2048 and 32K C = 8192, one call per sample
+#   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
+#           (full recompute)
+#
+#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small train
+set -uo pipefail
+OUT=${OUT:?set OUT to the output directory}
+PYTHON=${PYTHON:-python}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    tests) "$PYTHON" -m pytest -q -p no:cacheprovider -s tests/gpu/test_fa4_gpu.py \
+             tests/models/test_kernel_choice.py \
+             "tests/gpu/test_dca_gpu.py::test_bf16_fast_path_matches_float64_reference" \
+             2>&1 | tee "$OUT/tests.log" | grep -E "relative errors|passed|failed|Error" ;;
+    attn) "$PYTHON" -m bench.attention --seqs 32768,131072 --kv-heads 16,4 --repeats 10 \
+            --warmup 3 --variants sdpa_cudnn,fa4,dca,dca_fa4,chunked_fa4 --profile dca_fa4 \
+            --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1
+          sed -n '/^| seq/,$p' "$OUT/attention.log" | head -40 ;;
+    small) "$PYTHON" -m bench.attention --seqs 8192 --kv-heads 16,4 --repeats 10 --warmup 3 \
+             --variants sdpa_cudnn,fa4,dca_small,dca_small_fa4 --out "$OUT/attention_8k.json" \
+             > "$OUT/attention_8k.log" 2>&1
+           "$PYTHON" -m bench.attention --seqs 8192 --kv-heads 16,4 --repeats 10 --warmup 3 \
+             --variants sdpa_cudnn,fa4,dca_small,dca_small_fa4 --back-to-back 20 \
+             --out "$OUT/attention_8k_b2b.json" >> "$OUT/attention_8k.log" 2>&1
+           grep -E "^\| 8192" "$OUT/attention_8k.log" ;;
+    graphs) "$PYTHON" -m bench.attention --seqs 8192,32768 --kv-heads 16,4 --repeats 10 \
+              --warmup 3 --variants sdpa_cudnn,fa4,dca_small_graphs,dca_small_graphs_fa4,dca_graphs_fa4 \
+              --out "$OUT/attention_graphs.json" > "$OUT/attention_graphs.log" 2>&1
+            grep -E "^\| (8192|32768)" "$OUT/attention_graphs.log" ;;
+    train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
+             --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
+             --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
+             --set-for 131072 trainer.recompute=full \
+             --variant cudnn attention.kernel=cudnn --variant fa4 attention.kernel=fa4 \
+             --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+           grep -E "^\| gpt" "$OUT/train.log" ;;
+  esac
+done

@@ -1,0 +1,148 @@
+"""The attention-kernel setting (models/attention/kernels.py) on a machine without
+FlashAttention-4: what auto resolves to, the one-line error of an explicit fa4, and that CPU
+attention never imports FA4."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention import kernels
+from models.attention.causal import causal_attention
+from models.attention.lse_attention import _backends
+from tests.conftest import FAST
+from trainer.errors import UserError
+from trainer.validate import check_kernel
+
+
+def _fresh(monkeypatch: pytest.MonkeyPatch, setting: str = "auto", gpu: str | None = None) -> None:
+    """The kernel module's state as a new process with this setting (and GPU choice) has it."""
+    monkeypatch.setattr(kernels, "_state", {"setting": setting, "gpu": gpu, "fa4": None,
+                                            "fa4_error": None})
+
+
+@pytest.fixture
+def no_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FA4 fails to import, and the module's cached import state is fresh."""
+    real_import = builtins.__import__
+
+    def fake_import(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("flash_attn"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    _fresh(monkeypatch)
+
+
+def test_auto_without_a_gpu_is_math_and_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fresh(monkeypatch)
+    assert kernels.resolve("auto", cuda=False) == "math"
+    assert kernels._state["fa4_error"] is None and kernels._state["fa4"] is None  # not tried
+    q, k, v = (torch.randn(1, 16, h, 8) for h in (4, 2, 2))
+    causal_attention(q, k, v)
+    assert "flash_attn.cute" not in sys.modules or kernels._state["fa4"] is None
+
+
+@pytest.mark.usefixtures("no_fa4")
+def test_auto_on_a_gpu_without_fa4_is_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_sm90_or_newer", lambda: True)
+    assert kernels.resolve("auto", cuda=True) == "cudnn"
+    assert "ImportError" in kernels._state["fa4_error"]
+
+
+@pytest.mark.usefixtures("no_fa4")
+def test_auto_logs_its_choice_once(monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kernels, "_sm90_or_newer", lambda: True)
+    with caplog.at_level("INFO", logger=kernels.__name__):
+        kernels.use("auto", cuda=True)
+        kernels.use("auto", cuda=True)  # a second model in the same process: no new line
+    lines = [r.getMessage() for r in caplog.records if "attention.kernel=auto" in r.getMessage()]
+    assert len(lines) == 1 and "chose cudnn" in lines[0]
+
+
+@pytest.mark.usefixtures("no_fa4")
+def test_explicit_fa4_without_fa4_is_one_line_naming_the_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_sm90_or_newer", lambda: True)
+    with pytest.raises(UserError) as err:
+        check_kernel("fa4", cuda=True)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("attention.kernel=fa4 needs FlashAttention-4")
+    assert 'pip install -e ".[fa4]"' in message
+
+
+def test_explicit_fa4_on_a_pre_hopper_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_sm90_or_newer", lambda: False)
+    with pytest.raises(UserError, match="SM90"):
+        check_kernel("fa4", cuda=True)
+
+
+def test_unknown_kernel_is_refused() -> None:
+    with pytest.raises(UserError, match="attention.kernel='fast' is unknown"):
+        check_kernel("fast", cuda=False)
+
+
+@pytest.mark.parametrize(("name", "cuda", "expected"), [
+    ("cudnn", True, "cudnn"), ("flash", True, "flash"), ("math", True, "math"),
+    ("cudnn", False, "cudnn"), ("fa4", False, "fa4"),  # CPU tensors ignore the setting
+])
+def test_explicit_kernels_resolve_to_themselves(name: str, cuda: bool, expected: str) -> None:
+    assert kernels.resolve(name, cuda) == expected
+
+
+@pytest.mark.parametrize(("kernel", "order"), [
+    ("fa4", ["fa4", "cudnn", "flash", "math"]), ("cudnn", ["cudnn", "flash", "math"]),
+    ("flash", ["flash", "math"]), ("math", ["math"]),
+])
+def test_lse_backends_follow_the_setting(monkeypatch: pytest.MonkeyPatch, kernel: str,
+                                         order: list[str]) -> None:
+    """The LSE part calls (DCA, CP, kept causal) try the chosen kernel first; CPU and fp32
+    tensors take the math path whatever the setting."""
+    _fresh(monkeypatch, kernel, kernel)
+    cuda_bf16 = torch.empty(1, 2, 4, 8, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert _backends(cuda_bf16, cuda_bf16, True) == order
+    assert _backends(cuda_bf16.float(), cuda_bf16.float(), True) == ["math"]
+
+
+def test_a_cpu_build_leaves_the_gpu_choice_to_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model built for the CPU (math) in a process that later runs CUDA attention (the test
+    suite on the GPU machine) must not pin CUDA calls to the math path: they resolve the
+    setting for the GPU on first use."""
+    _fresh(monkeypatch)
+    monkeypatch.setattr(kernels, "_sm90_or_newer", lambda: False)
+    assert kernels.use("auto", cuda=False) == "math"
+    assert kernels.active() == "cudnn"  # what auto means for a pre-SM90 or FA4-less GPU
+    assert kernels.use("flash", cuda=False) == "math"  # what the CPU run computes with
+    assert kernels.active() == "flash"
+
+
+def test_using_restores_the_previous_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fresh(monkeypatch, "cudnn", "cudnn")
+    with kernels.using("math"):
+        assert kernels.active() == "math"
+    assert kernels.active() == "cudnn"
+
+
+@pytest.mark.slow
+def test_the_trainer_refuses_a_bad_kernel_in_one_line(tmp_path: Path) -> None:
+    """The setting is checked with the run's other settings, before data or model exist: one
+    `error:` line naming it, exit 2 (the same path an explicit fa4 without FA4 takes on a GPU)."""
+    proc = subprocess.run([sys.executable, "-m", "trainer", *FAST, "hydra.run.dir=run",
+                           "attention.kernel=fast"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"})
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if line.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and "attention.kernel='fast' is unknown" in errors[0]
