@@ -27,7 +27,7 @@ class LongContextConfig(TransformerConfig):
     rope_scaling: RopeScaling = NO_SCALING  # context scaling of every RoPE (models/rope_scaling.py)
     dca_cuda_graphs: bool = False
     recompute_keep_attention: bool = False  # full recompute keeps core-attention results
-    fused_rmsnorm: bool = False  # the layers' RMSNorms as one Triton pass (models/fused.py)
+    fused_rmsnorm: bool = False  # the layers' RMSNorms as one Triton pass (models/fused_rmsnorm.py)
 
     def __post_init__(self) -> None:
         if self.attention.head_wise_attn_gate:

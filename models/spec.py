@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.attention.registry import STANDARD, is_global_layer, variant
 from models.config import LongContextConfig
-from models.fused import FusedRMSNorm
+from models.fused_rmsnorm import FusedRMSNorm
 
 
 def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
@@ -21,7 +21,7 @@ def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
     (and the head-gated self-attention when the gate is on: it works with any core)."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention
-    if config.fused_rmsnorm:  # Triton RMSNorm (models/fused.py) in place of torch.nn.RMSNorm
+    if config.fused_rmsnorm:  # Triton RMSNorm (fused_rmsnorm.py) in place of torch.nn.RMSNorm
         spec.submodules.input_layernorm = FusedRMSNorm
         spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     if config.attention.head_wise_attn_gate:

@@ -74,7 +74,7 @@ class TrainerConfig:
     recompute_num_layers: int = 0  # full: recompute only the first N layers (0: every layer)
     # full: keep each core attention's output and LSE rather than re-run it (models/recompute.py)
     recompute_keep_attention: bool = True
-    fused_norm: bool = False  # RMSNorm as one Triton pass each way on the GPU (models/fused.py)
+    fused_norm: bool = False  # RMSNorm: one Triton pass each way on the GPU (fused_rmsnorm.py)
     fused_rope: bool = False  # megatron's RoPE as one Triton pass each way (models/fused_rope.py)
     # attention=dca: its forward and backward replayed as CUDA graphs, one capture per shape
     # (models/attention/dca/graphs.py): for short sequences and small chunks, where launching

@@ -1,9 +1,10 @@
 """Context parallelism (CP) for attention: the load-balanced layout, p2p KV exchange, and exact
 attention over keys that other ranks hold (LSE merge forward, global-LSE backward).
 
-Layout. With N CP ranks a sequence of S tokens is cut into 2N pieces of P = S / (2N) tokens and
-rank r holds pieces r and 2N-1-r, in that order (megatron's `get_batch_on_this_cp_rank` and its
-RoPE slicing use the same layout). Under a causal mask every rank then does the same work.
+The pieces (`PieceLayout`). With N CP ranks a sequence of S tokens is cut into 2N pieces of
+P = S / (2N) tokens and rank r holds pieces r and 2N-1-r, in that order (megatron's
+`get_batch_on_this_cp_rank` and its RoPE slicing use the same layout). Under a causal mask every
+rank then does the same work.
 
 Calls. An attention kind describes itself by a `CPPlan`: for a query rank `dst` and a KV source
 rank `src`, the dense kernel `Call`s (cp_calls.py: query rows of dst x key rows of src, full or
@@ -42,7 +43,7 @@ from models.recompute import keep_attention, kept_attention
 
 
 @dataclass(frozen=True)
-class Layout:
+class PieceLayout:
     """Where one CP rank's 2P local tokens sit in the global sequence."""
 
     size: int  # N, the CP world size
@@ -75,7 +76,7 @@ class CPPlan:
 
     mode = "ring"  # "ring" | "direct"
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: PieceLayout) -> None:
         self.layout = layout
 
     def calls(self, dst: int, src: int) -> list[Call]:
@@ -133,7 +134,7 @@ def _entries(c: Call, batch: int) -> list[slice]:
     return [slice(None)] if c.blocks == 1 else [slice(i, i + 1) for i in range(batch)]
 
 
-def _ring_sources(kv: torch.Tensor, layout: Layout,
+def _ring_sources(kv: torch.Tensor, layout: PieceLayout,
                   group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor, int]]:
     """Forward ring: yields (src, its whole KV [2, b, s, hk, d], row offset 0) for t = 0..N-1,
     the next block already in flight while the caller computes on this one."""

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from models.attention.chunked import chunked_attention
-from models.attention.context_parallel import CPPlan, Layout, cp_attention
+from models.attention.context_parallel import CPPlan, PieceLayout, cp_attention
 from models.attention.cp_calls import Call, coalesce, join_blocks
 from models.attention.dca.calls import INTER, INTRA, SUCCESSIVE
 from models.attention.dca.plan import check_qkv, check_sizes
@@ -54,14 +54,14 @@ class StandardPlan(CPPlan):
 
 
 @functools.lru_cache(maxsize=256)
-def _chunk_calls(layout: Layout, dst: int, src: int, length: int, dca: bool) -> list[Call]:
+def _chunk_calls(layout: PieceLayout, dst: int, src: int, length: int, dca: bool) -> list[Call]:
     """Calls of query rank dst against source rank src for chunks of `length` tokens: the
     intra-chunk part only (chunked attention) or also successive and inter (DCA); chunk after
     chunk diagonals and staircases joined into calls over blocks."""
     return join_blocks(chunk_rectangles(layout, dst, src, length, dca))
 
 
-def chunk_rectangles(layout: Layout, dst: int, src: int, length: int, dca: bool) -> list[Call]:
+def chunk_rectangles(layout: PieceLayout, dst: int, src: int, length: int, dca: bool) -> list[Call]:
     """`_chunk_calls` before joining: one call per query chunk and part (full calls that tile a
     larger rectangle coalesced)."""
     p = layout.piece_len
@@ -96,7 +96,7 @@ class ChunkedPlan(CPPlan):
 
     mode = "direct"
 
-    def __init__(self, layout: Layout, chunk_size: int) -> None:
+    def __init__(self, layout: PieceLayout, chunk_size: int) -> None:
         super().__init__(layout)
         self.chunk_size = chunk_size
 
@@ -107,7 +107,7 @@ class ChunkedPlan(CPPlan):
 class DCARingPlan(CPPlan):
     """Dual Chunk Attention (ring); rotates q and k from global positions."""
 
-    def __init__(self, layout: Layout, chunk_size: int, local_size: int, theta: float,
+    def __init__(self, layout: PieceLayout, chunk_size: int, local_size: int, theta: float,
                  mscale: float, head_dim: int, dtype: torch.dtype, device: torch.device,
                  scaling: DCAScaling, rope_scaling: RopeScaling | None = None) -> None:
         super().__init__(layout)
@@ -151,7 +151,7 @@ class DCARingPlan(CPPlan):
 
 
 @functools.lru_cache(maxsize=16)
-def _dca_plan(layout: Layout, chunk_size: int, local_size: int, theta: float, mscale: float,
+def _dca_plan(layout: PieceLayout, chunk_size: int, local_size: int, theta: float, mscale: float,
               head_dim: int, dtype: torch.dtype, device: torch.device,
               scaling: DCAScaling, rope_scaling: RopeScaling | None = None) -> DCARingPlan:
     """Cached: every layer of a step asks for the same positions and tables."""
@@ -160,11 +160,11 @@ def _dca_plan(layout: Layout, chunk_size: int, local_size: int, theta: float, ms
 
 
 def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            group: dist.ProcessGroup) -> Layout:
+            group: dist.ProcessGroup) -> PieceLayout:
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected "
                          "[b, s, hq, d] and [b, s, hk, d] with hk dividing hq")
-    return Layout(dist.get_world_size(group), dist.get_rank(group), q.shape[1])
+    return PieceLayout(dist.get_world_size(group), dist.get_rank(group), q.shape[1])
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:

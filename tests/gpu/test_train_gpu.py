@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from models.fused import FusedRMSNorm  # noqa: E402
+from models.fused_rmsnorm import FusedRMSNorm  # noqa: E402
 from models.gpt import build_gpt, transformer_config  # noqa: E402
 from models.options import BuildOptions  # noqa: E402
 from parallel.distributed import initialize_parallel, shutdown  # noqa: E402

@@ -22,7 +22,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.context_parallel import Layout
+from models.attention.context_parallel import PieceLayout
 from models.attention.core import CausalCoreAttention
 from models.attention.cp_calls import Call as CPCall
 from models.attention.cp_calls import join_blocks
@@ -307,7 +307,7 @@ def _pairs(calls: list[CPCall]) -> set[tuple[int, int, int]]:
 def test_joined_blocks_compute_the_same_pairs_in_fewer_calls(n: int, length: int) -> None:
     joined_any = False
     for rank in range(n):
-        layout = Layout(n, rank, 96 // n)
+        layout = PieceLayout(n, rank, 96 // n)
         for src in range(n):
             separate = chunk_rectangles(layout, rank, src, length, True)
             joined = join_blocks(separate)

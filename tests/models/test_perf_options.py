@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.train import matches, merge_overrides
-from models.fused import FusedRMSNorm
+from models.fused_rmsnorm import FusedRMSNorm
 from models.gpt import build_gpt, transformer_config
 from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig
