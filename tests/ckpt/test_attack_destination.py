@@ -1,8 +1,8 @@
 """Issue 31: the destinations of `python -m ckpt` commands under attack.
 
 Two commands writing the same new DST at once (the second must not replace the first without
---overwrite), and a DST under a file or on a read-only file system (one `error:` line before any
-work, not a traceback at the end).
+--overwrite), a DST under a file or on a read-only file system (one `error:` line before any
+work, not a traceback at the end), and export-hf's shard size.
 """
 
 from __future__ import annotations
@@ -124,3 +124,13 @@ def test_a_read_only_dst_is_one_error_line(hf_imported, read_only_dir: Path, cap
     _one_error(capsys, [command, str(imported), str(read_only_dir / "dst"), *extra],
                f"{read_only_dir} is not writable")
     assert not any(read_only_dir.iterdir())
+
+
+@pytest.mark.parametrize("size", ["-5", "0"])
+def test_a_shard_size_below_one_byte_is_refused(hf_imported, tmp_path: Path, capsys,
+                                                size: str) -> None:
+    """It wrote one shard per tensor without a word."""
+    _, imported = hf_imported("llama", False)
+    _one_error(capsys, ["export-hf", str(imported), str(tmp_path / "out"), "--max-shard-bytes",
+                        size], f"--max-shard-bytes {size} must be >= 1")
+    assert not (tmp_path / "out").exists()
