@@ -244,13 +244,13 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def _warn_non_finite(points: list) -> None:
-    """Say so when the model's loss is NaN or infinite (its weights or logits are): the
-    perplexity plot leaves those lengths out."""
-    bad = [p.length for p in points if not math.isfinite(p.nll)]
+    """Say so when a perplexity is NaN or infinite (the loss is NaN, or too large for e^loss):
+    the perplexity plot leaves those lengths out."""
+    bad = [p.length for p in points if not math.isfinite(p.perplexity)]
     if bad:
-        log.warning("perplexity is not finite at lengths %s (the model's logits hold NaN or "
-                    "inf: a diverged or damaged checkpoint?); the perplexity plot leaves them out",
-                    bad)
+        log.warning("perplexity is not finite at lengths %s (the model's loss is NaN or above "
+                    "709 nats: a diverged or damaged checkpoint?); the perplexity plot leaves "
+                    "them out", bad)
 
 
 def _overrides() -> list[str]:

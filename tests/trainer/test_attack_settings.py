@@ -95,7 +95,8 @@ def test_a_nan_model_is_reported_not_a_matplotlib_crash(tmp_path: Path, caplog) 
     from trainer.evaluate import PasskeyCell, PerplexityPoint
 
     cells = [PasskeyCell(64, 0.0, 0, 2), PasskeyCell(128, 0.0, 0, 2)]
-    points = [PerplexityPoint(64, float("nan"), 2), PerplexityPoint(128, float("inf"), 1)]
+    points = [PerplexityPoint(64, float("nan"), 2), PerplexityPoint(128, 1000.0, 1)]
+    assert points[1].perplexity == float("inf")  # e^1000 overflowed: OverflowError
     plots = eval_entry._plots(tmp_path, "standard", cells, points)
     assert plots["perplexity"].stat().st_size > 0
     with caplog.at_level(logging.WARNING):
