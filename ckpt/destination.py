@@ -4,6 +4,7 @@ replaces DST only when everything in it is written (and checked)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -33,13 +34,14 @@ def check_destination(dst: Path, overwrite: bool, sources: tuple[Path, ...] = ()
         raise DestinationError(f"{dst} is a file; give a directory path")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise DestinationError(f"{dst} is not empty; pass --overwrite to replace it")
+    check_writable(dst)
 
 
 @contextmanager
 def staged(dst: Path, overwrite: bool, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
     """Yield a fresh temporary directory beside `dst`; when the block succeeds it becomes `dst`
-    (the old `dst`, if any, is removed after), when it fails it is removed and `dst` is left
-    as it was."""
+    (with `overwrite` the old `dst`, if any, is removed after; without, only an empty or absent
+    `dst` is replaced), when it fails it is removed and `dst` is left as it was."""
     check_destination(dst, overwrite, sources)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -49,8 +51,40 @@ def staged(dst: Path, overwrite: bool, sources: tuple[Path, ...] = ()) -> Iterat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if not overwrite:
+        claim(tmp, dst)
+        return
     old = dst.parent / f".{dst.name}.old-{os.getpid()}"
     if dst.exists():
         os.replace(dst, old)
     os.replace(tmp, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_writable(dst: Path) -> None:
+    """The nearest existing folder above `dst` (resolved) must be a directory this process may
+    write in: a DST under a file or on a read-only file system is refused before any work."""
+    above = dst.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise DestinationError(f"{dst} lies under the file {above}; choose a DST whose parents "
+                               "are directories")
+    if not os.access(above, os.W_OK):
+        raise DestinationError(f"{above} is not writable (read-only file system or no "
+                               f"permission), so {dst} cannot be written; choose another DST")
+
+
+def claim(tmp: Path, dst: Path) -> None:
+    """Rename the finished `tmp` to `dst` without replacing anything but an empty directory:
+    rename(2) refuses a non-empty one, so a second command that wrote the same new DST
+    meanwhile is never replaced silently (without --overwrite)."""
+    try:
+        os.rename(tmp, dst)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DestinationError(f"{dst} was written by another command while this one ran; "
+                               "it is kept and this output discarded: pass --overwrite to "
+                               "replace it, or choose another DST") from None

@@ -9,6 +9,7 @@ trained length, partial rotary, unknown RoPE scaling types.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ _ROPE_KEYS = {
 # transformers' "dynamic" rescales with the running length (unscaled up to the trained length);
 # ours is the static NTK base, a different function: not imported.
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# Sizes that must be whole numbers >= 1 where given (a missing one is defaulted or refused later).
+_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+          "vocab_size", "max_position_embeddings", "num_key_value_heads", "head_dim",
+          "sliding_window")
 
 
 class HFError(RuntimeError):
@@ -45,9 +50,38 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise HFError(f"{path}: no config.json (HF_DIR must be a Hugging Face model directory)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HFError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise HFError(f"{path}: must hold a JSON object of settings, not a "
+                      f"{type(cfg).__name__}")
+    return cfg
+
+
+def check_values(cfg: dict[str, Any], path: Path) -> None:
+    """Every size a whole number >= 1 and the scaling settings objects, before anything uses
+    them (a string or a list there would surface as a traceback far from its cause)."""
+    for key in _SIZES:
+        value = cfg.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise HFError(f"{path}: {key}={value!r} must be a whole number >= 1; fix it in "
+                          "config.json")
+    archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list)
+                                  and all(isinstance(a, str) for a in archs)):
+        raise HFError(f"{path}: architectures={archs!r} must be a list of class names")
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise HFError(f"{path}: {key}={cfg[key]!r} must be an object of settings (or null)")
+
+
+def _positive(value: Any, key: str, path: Path) -> float | int:
+    """`value` itself when a finite number > 0, else HFError naming `key`."""
+    if type(value) not in (int, float) or not (math.isfinite(value) and value > 0):
+        raise HFError(f"{path}: {key}={value!r} must be a finite number > 0; fix it in "
+                      "config.json")
+    return value
 
 
 def architecture(cfg: dict[str, Any], path: Path) -> tuple[str, bool]:
@@ -80,12 +114,12 @@ def _rope(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
                            or params.get("truncate") is False):
         raise HFError(f"{path}: yarn with mscale/mscale_all_dim/truncate=false is not "
                       "reproduced; give attention_factor instead")
-    out: dict[str, Any] = {"rope_theta": float(theta),
+    out: dict[str, Any] = {"rope_theta": float(_positive(theta, "rope_theta", path)),
                            "rope_scaling_type": "none" if kind == "default" else kind}
     if kind != "default":
         for ours, theirs in _ROPE_KEYS.items():
             if params.get(theirs) is not None:
-                out[ours] = params[theirs]
+                out[ours] = _positive(params[theirs], theirs, path)
         if kind == "yarn" and "rope_original_max_position" not in out:
             out["rope_original_max_position"] = cfg["max_position_embeddings"]
     return out
@@ -104,6 +138,7 @@ def _check_window(cfg: dict[str, Any], path: Path) -> None:
 
 def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     """Our model config for an HF config.json (`path` names it in errors)."""
+    check_values(cfg, path)
     arch, bias = architecture(cfg, path)
     if cfg.get("hidden_act", "silu") != "silu":
         raise HFError(f"{path}: hidden_act={cfg['hidden_act']!r} is not supported (SwiGLU with "
@@ -111,8 +146,8 @@ def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     if cfg.get("mlp_bias"):
         raise HFError(f"{path}: mlp_bias=true is not supported")
     _check_window(cfg, path)
-    heads = cfg["num_attention_heads"]
     try:
+        heads = cfg["num_attention_heads"]
         return ModelConfig(
             name=f"hf-{ARCHITECTURES[arch][0]}",
             num_layers=cfg["num_hidden_layers"],
@@ -125,7 +160,8 @@ def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             swiglu=True,
             qkv_bias=bias,
             untie_embeddings=not cfg.get("tie_word_embeddings", False),
-            layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+            layernorm_epsilon=_positive(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps",
+                                        path),
             **_rope(cfg, path),
         )
     except KeyError as e:

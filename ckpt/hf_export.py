@@ -73,6 +73,8 @@ def export_vocab(ckpt: Checkpoint) -> int:
 def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
               max_shard_bytes: int = 5 * 2**30) -> None:
     """Write checkpoint `src` as the Hugging Face model directory `dst`."""
+    if max_shard_bytes < 1:  # below a tensor's size every tensor gets a shard of its own
+        raise HFError(f"--max-shard-bytes {max_shard_bytes} must be >= 1 (default 5 GiB)")
     src_dir = resolve_checkpoint(src)
     ckpt = Checkpoint(src_dir)
     m = _model(ckpt)

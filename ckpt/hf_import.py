@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.hf_config import HFError, architecture, model_config, read_config
@@ -42,23 +45,79 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 # Tensors some exports carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def weight_files(hf_dir: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it (the index's map, or the one file)."""
+    """HF tensor name -> the safetensors file that holds it (the index's map, or the one file).
+    Every file is checked to lie inside `hf_dir` (resolved) before any is opened."""
     index = hf_dir / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise HFError(f"{index}: not a safetensors index ({e})") from None
-        return {name: hf_dir / file for name, file in weight_map.items()}
+        weight_map = _read_index(index)
+        paths = {file: _inside(hf_dir, file, index) for file in set(weight_map.values())}
+        return {name: paths[file] for name, file in weight_map.items()}
     single = hf_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(single, "pt") as f:
+        with _open(_inside(hf_dir, single.name, single)) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no iter)
     raise HFError(f"{hf_dir}: no model.safetensors or {INDEX} (pickled .bin weights are not "
                   "read; convert them to safetensors first)")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map: tensor name -> file name, both strings."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFError(f"{index}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "weight_map" not in data:
+        raise HFError(f"{index}: not a safetensors index (a JSON object with a weight_map)")
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise HFError(f"{index}: weight_map must map tensor names to file names, not be a "
+                      f"{type(weight_map).__name__}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise HFError(f"{index}: weight_map[{name!r}]={file!r} must be a file name")
+    return weight_map
+
+
+def _inside(hf_dir: Path, file: str, named_in: Path) -> Path:
+    """`hf_dir / file` when it names a file inside `hf_dir` (a symbolic link too, when it stays
+    inside, or in the blobs of a huggingface_hub cache snapshot), else HFError: an index must
+    not make the import read other files of this machine."""
+    rel = Path(file)
+    if not file or rel.is_absolute() or ".." in rel.parts:
+        raise HFError(f"{named_in}: weight file {file!r} lies outside {hf_dir}; list file names "
+                      "inside the model directory")
+    real = (hf_dir / rel).resolve()
+    hub_blobs = hf_dir.parent.parent / "blobs" if hf_dir.parent.name == "snapshots" else None
+    if not (real.is_relative_to(hf_dir) or (hub_blobs and real.is_relative_to(hub_blobs))):
+        raise HFError(f"{named_in}: weight file {file} links to {real}, outside {hf_dir}; copy "
+                      "the file into the model directory")
+    return hf_dir / rel
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[Any]:
+    """safe_open, its errors (truncated, empty, a header too large or not JSON) naming the
+    file."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise HFError(f"{path}: not a readable safetensors file ({e}); download or export it "
+                      "again") from None
+
+
+def check_layers(files: dict[str, Path], layers: int, cfg_path: Path) -> None:
+    """The config's layer count against the layers the weight files hold, before anything is
+    listed per layer (a count of 10^9 would list 9 x 10^9 tensors)."""
+    present = {int(m.group(1)) for m in map(_LAYER_NAME.match, files) if m}
+    if len(present) != layers or max(present, default=-1) != layers - 1:  # layers 0..n-1
+        held = f"layers 0..{max(present)} ({len(present)} layers)" if present else "no layers"
+        raise HFError(f"{cfg_path}: num_hidden_layers={layers} but the weight files hold "
+                      f"{held}; fix num_hidden_layers")
 
 
 def check_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]],
@@ -82,7 +141,7 @@ def check_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]],
             continue
         if files[name] in missing_files:
             continue
-        with safe_open(files[name], "pt") as f:
+        with _open(files[name]) as f:
             if name not in f.keys():  # noqa: SIM118
                 problems.append(f"{files[name]}: tensor {name} is listed but not in the file")
                 continue
@@ -159,10 +218,11 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     cfg = read_config(hf_dir)
     arch, _ = architecture(cfg, cfg_path)
     model = model_config(cfg, cfg_path)
-    vocab = cfg.get("vocab_size") or 0
-    if vocab <= 0:
+    vocab = cfg.get("vocab_size")
+    if vocab is None:
         raise HFError(f"{cfg_path}: vocab_size missing")
     files = weight_files(hf_dir)
+    check_layers(files, model.num_layers, cfg_path)
     source_dtype = check_tensors(files, expected_hf(Shape.of(model), vocab),
                                  not model.untie_embeddings)
     dtype = dtype or source_dtype

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ckpt.destination import DestinationError, check_writable
+from parallel.lifetime import Interrupted, interruptible
 from trainer.data.corpus_files import DEFAULT_PATTERNS, collect_files, parse_patterns
 from trainer.data.tokenizer import load_tokenizer
 from trainer.entry import USER_ERRORS, debug_requested, report_user_error
@@ -106,6 +108,11 @@ def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
             text = record.get(text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise UserError(f"{path}:{lineno}: no string field {text_key!r}")
+            try:  # JSON escapes can spell half a surrogate pair, which no tokenizer encodes
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise UserError(f"{path}:{lineno}: field {text_key!r} holds a lone surrogate "
+                                f"({err.object[err.start]!r}); fix that \\u escape") from err
             yield text
 
 
@@ -115,6 +122,7 @@ def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
     missing = [str(p) for p in inputs if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"input files not found: {', '.join(missing)}")
+    _check_prefix(output_prefix)
     outputs = {ext: Path(f"{output_prefix}{ext}") for ext in (".bin", ".idx", ".meta.json")}
     existing = [str(p) for p in outputs.values() if p.exists()]
     if existing and not overwrite:
@@ -171,18 +179,34 @@ def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
             **{ext.lstrip("."): str(p) for ext, p in outputs.items()}}
 
 
+def _check_prefix(prefix: str) -> None:
+    """A file prefix (`data/corpus`) in a directory that exists or can be made and written."""
+    if prefix.replace(os.sep, "/").rsplit("/", 1)[-1] in ("", ".", ".."):
+        raise UserError(f"--output-prefix {prefix} names a directory, not a file prefix (it "
+                        f"would write the hidden {prefix}.bin); give e.g. {prefix.rstrip('/')}"
+                        "/corpus")
+    try:
+        check_writable(Path(prefix).resolve())
+    except DestinationError as err:
+        raise UserError(f"--output-prefix {prefix}: {err}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     args = _parse_args(argv)
     try:
-        inputs = expand_inputs(args.inputs, args.files_from, parse_patterns(args.glob))
-        summary = build(inputs, args.output_prefix, args.tokenizer, args.text_key,
-                        args.overwrite)
+        with interruptible():  # SIGTERM unwinds too: the temporary files are removed
+            inputs = expand_inputs(args.inputs, args.files_from, parse_patterns(args.glob))
+            summary = build(inputs, args.output_prefix, args.tokenizer, args.text_key,
+                            args.overwrite)
     except USER_ERRORS as err:
         if debug_requested():
             raise
         report_user_error(err)
         return 2
+    except Interrupted as err:
+        print(f"error: {err}; nothing was written", file=sys.stderr)
+        return 128 + err.signum
     print(f"wrote {summary['documents']} documents, {summary['tokens']} tokens "
           f"({summary['dtype']}, tokenizer {summary['tokenizer']}; "
           f"{summary['skipped_empty']} empty documents skipped)")

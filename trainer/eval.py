@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -99,8 +100,10 @@ def _plots(run_dir: Path, label: str, cells: list, points: list) -> dict[str, Pa
     fig.savefig(paths["passkey"], dpi=120, bbox_inches="tight")
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.length for p in points], [p.perplexity for p in points], marker="o")
-    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="perplexity",
+    finite = [p for p in points if math.isfinite(p.perplexity)]  # a NaN model has none
+    ax.plot([p.length for p in finite], [p.perplexity for p in finite], marker="o")
+    ax.set(xscale="log", yscale="log" if finite else "linear",
+           xlabel="context length (tokens)", ylabel="perplexity",
            title=f"perplexity by length: {label}")
     fig.savefig(paths["perplexity"], dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -215,6 +218,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         "attention_by_distance": [asdict(a) for a in attention],
     }
     if topo.is_main:
+        _warn_non_finite(points)
         (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
         plots = _plots(run_dir, label, cells, points)
         for n in sorted({c.length for c in cells}):
@@ -240,6 +244,16 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             _log_wandb(cfg, run_dir, label, cells, points, plots, multikey, attention)
         log.info("results in %s", run_dir)
     return results
+
+
+def _warn_non_finite(points: list) -> None:
+    """Say so when a perplexity is NaN or infinite (the loss is NaN, or too large for e^loss):
+    the perplexity plot leaves those lengths out."""
+    bad = [p.length for p in points if not math.isfinite(p.perplexity)]
+    if bad:
+        log.warning("perplexity is not finite at lengths %s (the model's loss is NaN or above "
+                    "709 nats: a diverged or damaged checkpoint?); the perplexity plot leaves "
+                    "them out", bad)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -7,6 +7,7 @@ the fix (a `UserError`), before anything expensive happens.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     _check_micro_batches(cfg, check_layout(cfg.parallel, cfg.model.num_layers, t.seq_length,
                                            world_size))
     _check_data(cfg.data)
+    _check_optimizer(t)
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
     check_kernel(cfg.attention.kernel, cuda=device.type == "cuda")
@@ -52,6 +54,8 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
 def validate_eval(cfg: DictConfig) -> None:
     """What `trainer.eval` can check before it reads the checkpoint's model."""
     check_attention_selection(command_line_overrides())
+    _check_eval_counts(cfg.eval)
+    _check_max_documents(cfg.data)
     if not cfg.checkpoint.load:
         raise UserError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
     p = cfg.parallel
@@ -110,6 +114,7 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
     _at_least(model, "num_layers", 1, prefix="model")
     _at_least(model, "hidden_size", 1, prefix="model")
     _at_least(model, "num_attention_heads", 1, prefix="model")
+    _within(model, "layernorm_epsilon", 0, low_open=True, prefix="model")
     heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
     if groups < 1 or heads % groups:
         raise UserError(f"model.num_attention_heads ({heads}) must be divisible by "
@@ -192,6 +197,7 @@ def _check_data(d: DictConfig) -> None:
         raise UserError(f"data.name={d.name!r}: choose embedded or indexed (data=indexed)")
     if not 0.0 <= d.valid_fraction < 1.0:
         raise UserError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    _check_max_documents(d)
     if d.name == "indexed":
         if not d.path:
             raise UserError("data=indexed needs data.path=<prefix of the .bin/.idx files>")
@@ -218,3 +224,54 @@ def _at_least(node: DictConfig, key: str, low: int, why: str = "", prefix: str =
 def _attention_option(name: str) -> dict:
     path = Path(CONF_DIR) / "attention" / f"{name}.yaml"
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def _check_optimizer(t: DictConfig) -> None:
+    """Adam's settings, each finite and in its range: a NaN or negative lr, a beta >= 1 or a
+    negative weight decay trains wrongly without a word; a negative grad_clip turned clipping
+    off."""
+    _within(t, "lr", 0, low_open=True, why="(the peak learning rate)")
+    _within(t, "weight_decay", 0)
+    _within(t, "adam_beta1", 0, 1, high_open=True)
+    _within(t, "adam_beta2", 0, 1, high_open=True)
+    _within(t, "grad_clip", 0, why="(0: no clipping)")
+
+
+def _check_max_documents(d: DictConfig) -> None:
+    if d.max_documents is not None:
+        _at_least(d, "max_documents", 1, "(or null: every document)", prefix="data")
+
+
+def _check_eval_counts(e: DictConfig) -> None:
+    """`trainer.eval`'s own counts and depths, before the checkpoint is read or the model runs
+    (a negative count reported an empty result, a bad depth failed after the model ran)."""
+    from trainer.evals.retrieval import NAMES
+
+    _at_least(e, "batch_size", 1, prefix="eval")
+    _at_least(e, "passkey_trials", 1, "(trials per length and depth)", prefix="eval")
+    _at_least(e, "passkey_digits", 1, "(digits of each key)", prefix="eval")
+    _at_least(e, "multikey_trials", 0, "(0: skip multi-key retrieval)", prefix="eval")
+    _at_least(e, "perplexity_windows", 1, "(windows of the longest length)", prefix="eval")
+    if e.trained_length is not None:
+        _at_least(e, "trained_length", 1, "(or null: the checkpoint's trainer.seq_length)",
+                  prefix="eval")
+    if not e.depths or not all(0.0 <= depth <= 1.0 for depth in e.depths):
+        raise UserError(f"eval.depths={list(e.depths)}: give needle depths in [0, 1] (0: the "
+                        "start of the context, 1: just before the question)")
+    if e.multikey_trials > 0 and not 1 <= e.multikey_keys <= len(NAMES):
+        raise UserError(f"eval.multikey_keys={e.multikey_keys} must be in [1, {len(NAMES)}] "
+                        "(needles per prompt), or set eval.multikey_trials=0")
+
+
+def _within(node: DictConfig, key: str, low: float, high: float = math.inf, *, why: str = "",
+            prefix: str = "trainer", low_open: bool = False, high_open: bool = False) -> None:
+    """`node[key]` a finite number in [low, high] (an end excluded where open)."""
+    value = node[key]
+    ok = (value is not None and math.isfinite(value)
+          and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high))
+    if not ok:
+        where = (f"{'>' if low_open else '>='} {low:g}" if high == math.inf else
+                 f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}")
+        raise UserError(f"{prefix}.{key}={value} must be a finite number {where}"
+                        f"{' ' + why if why else ''}")

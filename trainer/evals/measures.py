@@ -37,7 +37,7 @@ class PositionBucket:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll)
+        return _perplexity(self.nll)
 
 
 @dataclass
@@ -49,7 +49,15 @@ class PerplexityPoint:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll)
+        return _perplexity(self.nll)
+
+
+def _perplexity(nll: float) -> float:
+    """e^nll; inf where that overflows a float (a diverged model's loss, above ~709 nats)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
 
 
 def bucket_edges(length: int, trained_length: int | None) -> list[int]:

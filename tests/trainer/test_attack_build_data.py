@@ -1,0 +1,79 @@
+"""Issue 31: hostile inputs and signals for `python -m trainer.build_data`.
+
+An output prefix naming a directory (`o/` wrote the hidden `o/.bin`), a prefix under a file, a
+JSONL document holding a lone surrogate (a traceback from the tokenizer) end as one `error:`
+line before any output; SIGTERM removes the `PREFIX.bin.tmp-PID` it was writing. The next
+attacker of build_data starts here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.build_data import main
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], *words: str) -> None:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    for word in words:
+        assert word in lines[0], err
+
+
+@pytest.fixture
+def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text("The grass is green. " * 20)
+    return tmp_path / "doc.txt"
+
+
+@pytest.mark.parametrize("prefix", ["o/", "o/.", "o/.."])
+def test_a_prefix_naming_a_directory_is_refused(corpus: Path, capsys, prefix: str) -> None:
+    _refused(capsys, [str(corpus), "--output-prefix", prefix], f"--output-prefix {prefix}")
+    assert not (corpus.parent / "o").exists()
+
+
+def test_a_prefix_under_a_file_is_refused(corpus: Path, capsys) -> None:
+    _refused(capsys, [str(corpus), "--output-prefix", f"{corpus}/sub/ds"],
+             f"under the file {corpus}")
+
+
+def test_a_lone_surrogate_names_the_file_and_line(corpus: Path, capsys) -> None:
+    jsonl = corpus.parent / "docs.jsonl"
+    jsonl.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "abc \\ud800 def"}\n')
+    _refused(capsys, [str(jsonl), "--output-prefix", "ds"], f"{jsonl}:2", "surrogate")
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt", "docs.jsonl"]
+
+
+# build_data in a child process that sends itself SIGTERM while it reads its first document,
+# after its temporary PREFIX.bin.tmp-PID exists.
+_TERMINATED = """
+import os, signal, sys
+from pathlib import Path
+import trainer.build_data as bd
+read = bd._documents
+def documents(path, *args):
+    assert list(Path.cwd().glob("ds.bin.tmp-*")), "the temporary .bin should exist by now"
+    os.kill(os.getpid(), signal.SIGTERM)
+    yield from read(path, *args)
+bd._documents = documents
+sys.exit(bd.main(["doc.txt", "--output-prefix", "ds"]))
+"""
+
+
+def test_sigterm_removes_the_temporary_files(corpus: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _TERMINATED], cwd=corpus.parent,
+                          capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])})
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+    assert "error: interrupted by SIGTERM; nothing was written" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt"]
