@@ -50,11 +50,6 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not fit the model it is loaded into (nothing was loaded)."""
 
 
-def saved_extra(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-    """The plain-Python part of a checkpoint (step, config, data position, wandb id)."""
-    return Checkpoint(ckpt_dir).extra
-
-
 def open_checked(ckpt_dir: str | os.PathLike) -> Checkpoint:
     """The checkpoint, checked on every rank (collective): files present and long enough, the
     checksum manifest (or, in checkpoints saved without one, the items' CRCs; each rank checks a

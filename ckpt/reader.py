@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+
+from ckpt.saved_config import SavedConfigError, read_saved_config
 
 # Modules whose dataclasses and enums make up torch DCP's `.metadata` pickle.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
@@ -184,10 +186,14 @@ class Checkpoint:
 
     @property
     def config(self) -> DictConfig:
-        """The resolved run config the checkpoint was saved with."""
+        """The run config the checkpoint was saved with, read as data (`ckpt.saved_config`:
+        no interpolation, bounded): every reader of a saved config goes through here."""
         if "config" not in self.extra:
             raise CheckpointError(f"{self.path / 'common.pt'} holds no run config (extra.config)")
-        return OmegaConf.create(self.extra["config"])
+        try:
+            return read_saved_config(self.extra["config"])
+        except SavedConfigError as e:
+            raise CheckpointError(f"{self.path / 'common.pt'}: {e}") from None
 
     def files(self) -> list[Path]:
         """Every file of the checkpoint (the chunk files the index names, sorted)."""

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import hydra
 import torch
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -148,8 +147,8 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
-    from ckpt.load import saved_extra
     from ckpt.paths import resolve_checkpoint
+    from ckpt.reader import Checkpoint
     from models.attention.dca_scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, shutdown
     from parallel.process_group import resolve_device
@@ -160,8 +159,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     check_known_keys(cfg)
     validate_eval(cfg)
     ckpt = resolve_checkpoint(cfg.checkpoint.load)
-    extra = saved_extra(ckpt)
-    saved = OmegaConf.create(yaml.safe_load(extra["config"]))
+    checkpoint = Checkpoint(ckpt)
+    extra = checkpoint.extra
+    saved = checkpoint.config  # read as data: no interpolation, bounded
     trained_length = cfg.eval.trained_length or saved.trainer.seq_length
     saved.model = with_rope_overrides(cfg.model, saved.model, typed_model_keys(_overrides()),
                                       trained_length, max(cfg.eval.lengths))
