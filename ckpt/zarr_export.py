@@ -35,6 +35,7 @@ from ckpt.paths import resolve_checkpoint
 from ckpt.plain import decode, encode
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint, object_location
 from ckpt.save import write_checkpoint
+from ckpt.zarr_manifest import manifest_problems
 from parallel.distributed import init_process_group
 
 FORMAT, VERSION, DRIVER = "longctx-zarr", 1, "zarr3"
@@ -143,9 +144,17 @@ def load_manifest(export_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ExportError(f"{path} is missing: {export_dir} is not a `python -m ckpt export` "
                           "output")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{path} is not valid JSON ({e}): restore it from the export") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != VERSION:
         raise ExportError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    problems = manifest_problems(manifest, Path(export_dir))
+    if problems:
+        raise ExportError(f"{path} is damaged or edited; nothing was written:\n  "
+                          + "\n  ".join(problems))
     return manifest
 
 
@@ -205,7 +214,8 @@ def import_export(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
     for key, entry in tqdm(sorted(manifest["tensors"].items()), desc="importing", unit="tensor"):
         path = src / entry["path"]
         tensor = _to_torch(ts.open(_spec(path)).result().read().result(), entry["dtype"])
-        if list(tensor.shape) != entry["shape"] or _sha256(tensor) != entry["sha256"]:
+        if list(tensor.shape) != entry["shape"] or _sha256(tensor) != entry["sha256"] \
+                or str(tensor.dtype).removeprefix("torch.") != entry["dtype"]:
             raise ExportError(f"{path}: data does not match the manifest (a chunk is missing or "
                               "damaged)")
         layout = TPLayout(entry["tp_axis"], entry["tp_blocks"])
