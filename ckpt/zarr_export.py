@@ -35,7 +35,7 @@ from ckpt.paths import resolve_checkpoint
 from ckpt.plain import decode, encode
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint, object_location
 from ckpt.save import write_checkpoint
-from ckpt.zarr_manifest import manifest_problems
+from ckpt.zarr_manifest import manifest_problems, tensor_bytes
 from parallel.distributed import init_process_group
 
 FORMAT, VERSION, DRIVER = "longctx-zarr", 1, "zarr3"
@@ -92,7 +92,8 @@ def export(src: str | Path, dst: str | Path, *, chunk_tp: int | None = None,
     if bad:
         raise ExportError(f"cannot chunk for TP={chunk_tp}:\n  " + "\n  ".join(bad))
     tensors: dict[str, Any] = {}
-    with staged(Path(dst), overwrite, sources=(src_dir,)) as tmp:
+    with staged(Path(dst), overwrite, sources=(src_dir,),
+                needs_bytes=sum(t.nbytes for t in ckpt.tensors.values())) as tmp:
         for key in tqdm(sorted(ckpt.tensors), desc="exporting", unit="tensor"):
             info, layout = ckpt.tensors[key], layouts[key]
             tensor = ckpt.read(key)
@@ -230,7 +231,8 @@ def import_export(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
     # common.pt holds exactly the exported common state.
     sharded = {"tensors": tensors, **({"objects": objects} if objects else {})}
     state = {**decode(manifest["common"]), "sharded": sharded}
-    with staged(Path(dst), overwrite, sources=(src,)) as tmp, _process_group():
+    with staged(Path(dst), overwrite, sources=(src,), needs_bytes=tensor_bytes(manifest)) as tmp, \
+            _process_group():
         write_checkpoint(tmp, manifest["step"], state)
     print(f"imported {len(manifest['tensors'])} tensors from {src} into {dst}")
 

@@ -7,15 +7,16 @@ megatron saves, the step names the checkpoint), and it is a text file anyone may
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from ckpt.layout import TPLayout
 
-# The dtypes a training checkpoint holds (and `_to_torch` turns back into tensors).
-DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
-                    "int8", "uint8", "bool"})
+# The dtypes a training checkpoint holds (and `_to_torch` turns back into tensors): their sizes.
+DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+          "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 def _count(value: Any, least: int) -> bool:
@@ -49,6 +50,11 @@ def manifest_problems(manifest: Any, export_dir: Path) -> list[str]:
     for key, entry in tensors.items():
         problems += [f"tensors.{key}: {p}" for p in _entry_problems(entry, export_dir, cut_tp, key)]
     return problems
+
+
+def tensor_bytes(manifest: dict[str, Any]) -> int:
+    """The bytes of every tensor of a checked manifest (about the imported checkpoint's size)."""
+    return sum(math.prod(e["shape"]) * DTYPES[e["dtype"]] for e in manifest["tensors"].values())
 
 
 def _entry_problems(entry: Any, export_dir: Path, tp: int | None, key: str) -> list[str]:
