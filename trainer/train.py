@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from ckpt.disk import space_shortfall
 from ckpt.load import load_checkpoint
 from ckpt.save import save_checkpoint
 from models.flops import peak_tflops, training_flops_per_sequence
@@ -33,7 +34,13 @@ from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.passkey import PasskeyMix
 from trainer.resume import apply_optimizer_settings, resume_point
-from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
+from trainer.run_dir import (
+    RunDirError,
+    check_checkpoints,
+    check_writable,
+    checkpoints_root,
+    drop_checkpoints_after,
+)
 from trainer.step import evaluate, train_step
 from trainer.stop import StopOnSignal, Stopped
 from trainer.validate import check_datasets, validate_train
@@ -84,6 +91,7 @@ class Trainer:
         start = adopt_saved_model(cfg) if cfg.checkpoint.load else None
         resume_from = None if start else resume_point(cfg)
         check_checkpoints(cfg, run_dir)
+        check_writable(cfg, run_dir)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg.trainer.device)
@@ -94,6 +102,7 @@ class Trainer:
         self.real_vocab = start.real_vocab if start else vocab  # saved for `ckpt export-hf`
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
+        self._check_space()
         self.step = 0
         self.consumed_samples = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
@@ -115,6 +124,25 @@ class Trainer:
             self.topo.dp_rank, self.topo.dp, mix=self.passkey_mix,
         )
         self._ahead: list[dict[str, torch.Tensor]] | None = None  # the next step's, when read
+
+    def _check_space(self) -> None:
+        """Refuse to train when one checkpoint cannot fit in `checkpoint.dir` (collective)."""
+        if not self.cfg.checkpoint.save:
+            return
+        root = checkpoints_root(self.cfg, self.run_dir)
+        params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
+        # weights, Adam's two fp32 moments, fp32 master weights under bf16; every model-parallel
+        # rank writes its own share
+        per_param = (2 if self.model_config.bf16 else 4) + 8 + (4 if self.model_config.bf16 else 0)
+        needed = params * per_param * self.topo.tp * self.topo.pp
+        short = space_shortfall(root, needed)
+        flag = torch.tensor([1.0 if short else 0.0], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise RunDirError(f"checkpoint.dir={root}: one checkpoint will not fit "
+                              f"({short or 'on another rank'}): free space, choose another "
+                              "checkpoint.dir, or set checkpoint.save=false")
 
     def _setup_parallel(self) -> None:
         """Process groups and megatron's parallel state; micro-batches per step."""
