@@ -95,7 +95,12 @@ def _commit(tmp: Path, dst: Path, overwrite: bool) -> None:
     old = dst.parent / f".{dst.name}.old-{os.getpid()}"
     if overwrite and (dst.exists() or dst.is_symlink()):
         os.replace(dst, old)
-        os.replace(tmp, dst)
+        try:
+            os.replace(tmp, dst)
+        except OSError:
+            os.replace(old, dst)  # DST as it was; the caller's error says why
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         written.append(dst)
         _remove(old)
         return

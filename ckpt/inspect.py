@@ -35,8 +35,8 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "layout": ckpt.extra.get("layout", {"tp": ckpt.tp}),
         "model_only": bool(ckpt.extra.get("model_only", False)),
         "weights_dtype": str(weights.dtype).removeprefix("torch.") if weights else None,
-        "model": OmegaConf.to_container(cfg.model),
-        "attention": OmegaConf.to_container(cfg.attention),
+        "model": OmegaConf.to_container(cfg.model, resolve=True),  # literal text (saved_config)
+        "attention": OmegaConf.to_container(cfg.attention, resolve=True),
         "bytes_on_disk": ckpt.bytes_on_disk(),
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "tensors": tensors,

@@ -200,9 +200,9 @@ def _target_common(ckpt: Checkpoint, target: Layout, model_only: bool) -> dict[s
     cfg.parallel.distributed_optimizer = target.distributed_optimizer
     layout = {"tp": target.tp, "pp": target.pp, "vpp": None, "cp": 1, "dp": 1,
               "distributed_optimizer": target.distributed_optimizer}
-    common["extra"] = {**ckpt.extra, "tp": target.tp, "config": OmegaConf.to_yaml(cfg),
-                       "layout": layout, "reshaped_from_tp": ckpt.tp,
-                       "reshaped_from": dataclasses.asdict(source)}
+    config = OmegaConf.to_yaml(cfg, resolve=True)  # the saved text, literal (saved_config)
+    common["extra"] = {**ckpt.extra, "tp": target.tp, "config": config, "layout": layout,
+                       "reshaped_from_tp": ckpt.tp, "reshaped_from": dataclasses.asdict(source)}
     if model_only:
         common["extra"]["model_only"] = True
     return common

@@ -154,8 +154,9 @@ def load_manifest(export_dir: str | Path) -> dict[str, Any]:
         raise ExportError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     problems = manifest_problems(manifest, Path(export_dir))
     if problems:
-        raise ExportError(f"{path} is damaged or edited; nothing was written:\n  "
-                          + "\n  ".join(problems))
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ExportError(f"{path} is damaged or edited ({'; '.join(problems[:3])}{more}): "
+                          "export the checkpoint again")
     return manifest
 
 

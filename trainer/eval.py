@@ -203,7 +203,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     results = {
         "checkpoint": str(ckpt), "step": extra["step"], "trained_attention": saved.attention.kind,
         "attention": OmegaConf.to_container(cfg.attention), "label": label,
-        "rope": {k: v for k, v in OmegaConf.to_container(saved.model).items()
+        "rope": {k: v for k, v in OmegaConf.to_container(saved.model, resolve=True).items()
                  if k.startswith("rope_")}, "trained_length": trained_length,
         "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],
         "multikey": [asdict(c) | {"accuracy": c.accuracy} for c in multikey],

@@ -103,3 +103,16 @@ def test_ckpt_inspect_refuses_a_billion_laughs_in_one_line(root: Path, tmp_path:
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1 and "anchors or aliases" in proc.stderr
+
+
+def test_ckpt_inspect_shows_an_interpolation_as_written(root: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys) -> None:
+    from ckpt.__main__ import main
+
+    monkeypatch.setenv("ADV_SECRET", SECRET)
+    src = _with_config(root, tmp_path / "src", lambda text: re.sub(
+        r"(?m)^  name: tiny$", "  name: ${oc.env:ADV_SECRET}", text, count=1))
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "model ${oc.env:ADV_SECRET}:" in out and SECRET not in out, out[:500]

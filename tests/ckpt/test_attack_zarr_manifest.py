@@ -68,7 +68,7 @@ def test_a_bad_manifest_is_refused_before_anything_is_written(export: Path, tmp_
     dst = tmp_path / "imported"
     assert main(["import", str(src), str(dst)]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and message in err, err
     assert not dst.exists() and [p.name for p in tmp_path.iterdir()] == ["export"]
 
 
