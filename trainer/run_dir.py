@@ -2,9 +2,9 @@
 
 - Rank 0 holds `run.lock` (an `fcntl.flock`, holding its pid and host) for the process's life:
   the OS releases it on any exit, SIGKILL included, so it is never stale; a second run into the
-  directory is refused naming the holder. It holds the same lock in `checkpoint.dir`, wherever
-  that lies: two runs with different run directories but one checkpoints root would corrupt
-  each other's saves.
+  directory is refused naming the holder. A `checkpoint.dir` outside the run directory gets the
+  same lock, and one inside another run's directory is refused: two runs with different run
+  directories but one checkpoints root would corrupt each other's saves.
 - `checkpoint.dir` must be writable (checked on every rank before anything is built).
 - A run into a directory whose `checkpoint.dir` holds checkpoints must resume from the newest of
   them, or say `checkpoint.overwrite=true`: then every checkpoint after the step it starts at
@@ -91,11 +91,36 @@ def check_writable(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def hold_checkpoints(cfg: DictConfig, run_dir: Path) -> None:
-    """Lock `checkpoint.dir` as the run directory is locked (the same `run.lock`: a checkpoints
-    root that is another run's directory is refused too)."""
-    if cfg.checkpoint.save:
-        check_writable(cfg, run_dir)
-        hold(checkpoints_root(cfg, run_dir), "checkpoint.dir", "checkpoint.dir")
+    """Lock a `checkpoint.dir` that lies outside the run directory (inside, the run directory's
+    lock covers it), after refusing one inside a directory another process holds."""
+    if not cfg.checkpoint.save:
+        return
+    check_writable(cfg, run_dir)
+    root, run_dir = checkpoints_root(cfg, run_dir).absolute(), run_dir.absolute()
+    if root == run_dir or run_dir in root.parents:
+        return
+    for parent in root.parents:
+        if parent not in _held and _held_by_another(parent / LOCK):
+            holder = (parent / LOCK).read_text().strip() or "another process"
+            raise RunDirError(f"checkpoint.dir {root} lies in the run directory {parent}, in use "
+                              f"by {holder}: choose another checkpoint.dir, or wait for that run "
+                              "to end")
+    hold(root, "checkpoint.dir", "checkpoint.dir")
+
+
+def _held_by_another(lock: Path) -> bool:
+    """Whether some process holds `lock` (taken and released at once when free)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EACCES)
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
 
 
 def saved_steps(root: Path) -> list[int]:

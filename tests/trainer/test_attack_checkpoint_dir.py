@@ -113,3 +113,23 @@ def test_a_disk_full_during_a_save_is_named_and_keeps_the_previous_checkpoint(
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", TRACKER]
     assert (root / TRACKER).read_text().strip() == "2"
     assert ckpt_main(["verify", str(root)]) == 0
+
+
+def test_a_checkpoint_dir_inside_another_runs_directory_is_refused(tmp_path: Path) -> None:
+    """Run A keeps its checkpoints in its run directory (the default `checkpoints`); run B points
+    its absolute `checkpoint.dir` there."""
+    from trainer.run_dir import RunDirError, hold_checkpoints
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from pathlib import Path; "
+         "from trainer.run_dir import hold; hold(Path('a')); print('held', flush=True); "
+         "time.sleep(600)"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cfg = compose_config([f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}"])
+        with pytest.raises(RunDirError, match=rf"lies in the run directory {tmp_path / 'a'}, in "
+                                              rf"use by pid {holder.pid} on"):
+            hold_checkpoints(cfg, tmp_path / "b")
+    finally:
+        holder.kill()
+        holder.communicate()
