@@ -130,11 +130,11 @@ class Trainer:
         if not self.cfg.checkpoint.save:
             return
         root = checkpoints_root(self.cfg, self.run_dir)
-        params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
-        # weights, Adam's two fp32 moments, fp32 master weights under bf16; every model-parallel
-        # rank writes its own share
-        per_param = (2 if self.model_config.bf16 else 4) + 8 + (4 if self.model_config.bf16 else 0)
-        needed = params * per_param * self.topo.tp * self.topo.pp
+        # each weight, Adam's two fp32 moments and, for 16-bit weights, an fp32 master copy; every
+        # model-parallel rank writes its own share
+        local = sum(p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+                    for chunk in self.model for p in chunk.parameters())
+        needed = local * self.topo.tp * self.topo.pp
         short = space_shortfall(root, needed)
         flag = torch.tensor([1.0 if short else 0.0], device=self.device)
         if dist.get_world_size() > 1:
