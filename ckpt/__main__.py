@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ckpt import hf_export, hf_import, inspect, reshape, verify, zarr_export
+from ckpt import destination, hf_export, hf_import, inspect, reshape, verify, zarr_export
 from ckpt.destination import DestinationError
 from ckpt.hf_config import HFError
 from ckpt.reader import CheckpointError
@@ -30,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    destination.written.clear()
     try:
         with interruptible():  # SIGTERM unwinds too: workers stopped, partial output removed
             return args.run(args)
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"error: {e}; nothing was written", file=sys.stderr)
+        done = ", ".join(str(p) for p in destination.written)
+        print(f"error: {e}; " + (f"after {done} was completely written" if done
+                                 else "nothing was written"), file=sys.stderr)
         return 128 + e.signum
 
 

@@ -25,6 +25,7 @@ from ckpt.destination import add_destination_arguments, staged
 from ckpt.hf_config import HFError, hf_config
 from ckpt.hf_import import INDEX
 from ckpt.hf_weights import Shape, hf_tensors
+from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 from models.gpt import ffn_hidden_size
@@ -73,8 +74,9 @@ def export_vocab(ckpt: Checkpoint) -> int:
 def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
               max_shard_bytes: int = 5 * 2**30) -> None:
     """Write checkpoint `src` as the Hugging Face model directory `dst`."""
-    if max_shard_bytes < 1:  # below a tensor's size every tensor gets a shard of its own
-        raise HFError(f"--max-shard-bytes {max_shard_bytes} must be >= 1 (default 5 GiB)")
+    if max_shard_bytes < 1:
+        raise HFError(f"--max-shard-bytes {max_shard_bytes} must be >= 1 (bytes per "
+                      "safetensors shard; the default is 5 GiB)")
     src_dir = resolve_checkpoint(src)
     ckpt = Checkpoint(src_dir)
     m = _model(ckpt)
@@ -86,7 +88,8 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
     extra = {"longctx": _longctx(ckpt)} if _longctx(ckpt) else {}
     cfg = hf_config(m, vocab, ckpt.meta.seq_length, _DTYPES[dtype], extra)
     dst = Path(dst)
-    with staged(dst, overwrite, sources=(src_dir,)) as tmp:
+    weights = sum(t.nbytes for k, t in ckpt.tensors.items() if not is_optimizer_key(k))
+    with staged(dst, overwrite, sources=(src_dir,), needs_bytes=weights) as tmp:
         _write_weights(tmp, hf_tensors(ckpt.read, Shape.of(m), vocab), max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         _copy_tokenizer(ckpt, tmp)

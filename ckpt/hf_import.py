@@ -247,7 +247,9 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     job = {"model": asdict(model), "vocab": vocab, "dtype": dtype, "seq_length": seq_length,
            "files": {k: str(v) for k, v in files.items()}, "meta": meta.to_saved()}
     dst = Path(dst)
-    with staged(dst, overwrite, sources=(hf_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
+    weights = sum(p.stat().st_size for p in set(files.values()))  # at least: dtypes may widen
+    with staged(dst, overwrite, sources=(hf_dir,), needs_bytes=weights) as tmp, \
+            tempfile.TemporaryDirectory() as d:
         if tp == 1 and not dist.is_initialized():
             _import_rank(0, 1, f"{d}/store", str(tmp), job)
         else:

@@ -17,8 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from omegaconf import OmegaConf
 
+from ckpt.saved_config import read_saved_config
 from models.schema import AttentionConfig, ModelConfig
 from parallel.placement import Layout
 
@@ -84,7 +85,7 @@ class CheckpointMeta:
                 raise MetaError(f"meta_version {extra['meta_version']!r} is not one this version"
                                 f" reads ({META_VERSION})")
             return _legacy(extra, embedding_rows)
-        except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise MetaError(f"{where}: cannot read the checkpoint's record: "
                             f"{type(e).__name__}: {e}") from e
 
@@ -112,9 +113,10 @@ def _current(extra: dict[str, Any]) -> CheckpointMeta:
 
 def _legacy(extra: dict[str, Any], embedding_rows: int) -> CheckpointMeta:
     """An `extra` written before `meta_version` 2: the run config as YAML, layout at the top."""
-    config = yaml.safe_load(extra["config"]) if "config" in extra else None
-    if not isinstance(config, dict):
+    if "config" not in extra:
         raise KeyError("config: the checkpoint holds no run config")
+    # read as data (no interpolation, bounded), then the literal strings back
+    config = OmegaConf.to_container(read_saved_config(extra["config"]), resolve=True)
     trainer, data = config.get("trainer") or {}, config.get("data") or {}
     hf = extra.get("hf_source")
     layout = Layout.from_dict({"tp": int(extra.get("tp", 1)), **(extra.get("layout") or {})})

@@ -38,9 +38,12 @@ def _tracked_step(tracker: Path) -> int:
     """The step a tracker file names; a damaged tracker is named with its content."""
     from ckpt.reader import CheckpointError  # here: reader imports torch, paths stays light
 
-    text = tracker.read_text(errors="replace").strip()
+    with open(tracker, "rb") as f:  # a few bytes: it may be a link to anything (/dev/zero)
+        text = f.read(64).decode(errors="replace").strip()
     if not re.fullmatch(r"\d+", text):
+        shown = ("(a symbolic link: its target is not shown)" if tracker.is_symlink()
+                 else repr(text[:40]))
         raise CheckpointError(
-            f"{tracker} should hold a step number but holds {text[:40]!r}; load one iter_* "
+            f"{tracker} should hold a step number but holds {shown}; load one iter_* "
             "directory instead, or write the step of the newest complete one into the file")
     return int(text)

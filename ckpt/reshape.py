@@ -224,7 +224,8 @@ def reshape(src: str | Path, dst: str | Path, tp: int | None = None, *, pp: int 
         return
     dst = Path(dst)
     world = target.tp * target.pp
-    with staged(dst, overwrite, sources=(src_dir,)) as tmp, tempfile.TemporaryDirectory() as d:
+    with staged(dst, overwrite, sources=(src_dir,), needs_bytes=ckpt.bytes_on_disk()) as tmp, \
+            tempfile.TemporaryDirectory() as d:
         try:
             run_workers(_worker, (world, f"{d}/store", str(src_dir), str(tmp), target,
                                   model_only), world)

@@ -27,8 +27,10 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from ckpt.checksums import checkpoint_files, digests, write_manifest
+from ckpt.disk import ran_out_of_space
 from ckpt.meta import CheckpointMeta
 from ckpt.paths import TRACKER, checkpoint_name
+from ckpt.reader import CheckpointError
 from ckpt.state import training_state
 from parallel.lifetime import forks_die_with_parent
 
@@ -58,14 +60,16 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
 
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
     _collect_results_in_process()
-    with _fail_if_a_child_dies(f"writing {tmp}"), _writers_stopped_on_failure(), \
-            forks_die_with_parent():
-        dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
-    dist.barrier()
-    _record_checksums(tmp)
+    with _disk_full_named(root, step):
+        with _fail_if_a_child_dies(f"writing {tmp}"), _writers_stopped_on_failure(), \
+                forks_die_with_parent():
+            dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
+        dist.barrier()
+        _record_checksums(tmp)
+        if dist.get_rank() == 0:
+            _fsync_tree(tmp)
 
     if dist.get_rank() == 0:
-        _fsync_tree(tmp)
         old = root / (checkpoint_name(step) + ".old")
         if final.exists():  # re-saving a step: keep the old one until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
@@ -75,6 +79,36 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+class DiskFullError(CheckpointError):
+    """A save ran out of space; the partial save is removed, the previous checkpoint intact."""
+
+
+@contextlib.contextmanager
+def _disk_full_named(root: Path, step: int) -> Iterator[None]:
+    """A failed write into a full disk raises `DiskFullError` saying so (megatron's and torch's
+    writers report it as e.g. `unexpected pos 704 vs 598`), after removing `iter_<step>.tmp`."""
+    tmp = root / (checkpoint_name(step) + ".tmp")
+    try:
+        yield
+    except Exception as e:
+        if not ran_out_of_space(tmp, e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = f"{root / checkpoint_name(s)}" if (s := _tracked(root)) is not None else "none"
+        raise DiskFullError(
+            f"no space left on device (ENOSPC) while saving {tmp.name} under {root} "
+            f"({' '.join(str(e).split())[:120]}): the partial save was removed; the previous "
+            f"checkpoint ({previous}) is intact; free space, then resume with "
+            f"checkpoint.load={root}") from e
+
+
+def _tracked(root: Path) -> int | None:
+    try:
+        return int((root / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _record_checksums(tmp: Path) -> None:

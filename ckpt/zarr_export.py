@@ -36,6 +36,7 @@ from ckpt.paths import resolve_checkpoint
 from ckpt.plain import decode, encode
 from ckpt.reader import CHECKPOINT_HELP, Checkpoint, object_location
 from ckpt.save import write_checkpoint
+from ckpt.zarr_manifest import manifest_problems, tensor_bytes
 from parallel.distributed import init_process_group
 
 FORMAT, VERSION, DRIVER = "longctx-zarr", 1, "zarr3"
@@ -93,7 +94,8 @@ def export(src: str | Path, dst: str | Path, *, chunk_tp: int | None = None,
     if bad:
         raise ExportError(f"cannot chunk for TP={chunk_tp}:\n  " + "\n  ".join(bad))
     tensors: dict[str, Any] = {}
-    with staged(Path(dst), overwrite, sources=(src_dir,)) as tmp:
+    with staged(Path(dst), overwrite, sources=(src_dir,),
+                needs_bytes=sum(t.nbytes for t in ckpt.tensors.values())) as tmp:
         for key in tqdm(sorted(ckpt.tensors), desc="exporting", unit="tensor"):
             info, layout = ckpt.tensors[key], layouts[key]
             tensor = ckpt.read(key)
@@ -145,9 +147,18 @@ def load_manifest(export_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ExportError(f"{path} is missing: {export_dir} is not a `python -m ckpt export` "
                           "output")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{path} is not valid JSON ({e}): restore it from the export") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != VERSION:
         raise ExportError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    problems = manifest_problems(manifest, Path(export_dir))
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ExportError(f"{path} is damaged or edited ({'; '.join(problems[:3])}{more}): "
+                          "export the checkpoint again")
     return manifest
 
 
@@ -207,7 +218,8 @@ def import_export(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
     for key, entry in tqdm(sorted(manifest["tensors"].items()), desc="importing", unit="tensor"):
         path = src / entry["path"]
         tensor = _to_torch(ts.open(_spec(path)).result().read().result(), entry["dtype"])
-        if list(tensor.shape) != entry["shape"] or _sha256(tensor) != entry["sha256"]:
+        if list(tensor.shape) != entry["shape"] or _sha256(tensor) != entry["sha256"] \
+                or str(tensor.dtype).removeprefix("torch.") != entry["dtype"]:
             raise ExportError(f"{path}: data does not match the manifest (a chunk is missing or "
                               "damaged)")
         layout = TPLayout(entry["tp_axis"], entry["tp_blocks"])
@@ -222,7 +234,8 @@ def import_export(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
     # common.pt holds exactly the exported common state.
     sharded = {"tensors": tensors, **({"objects": objects} if objects else {})}
     state = {**decode(manifest["common"]), "sharded": sharded}
-    with staged(Path(dst), overwrite, sources=(src,)) as tmp, _process_group():
+    with staged(Path(dst), overwrite, sources=(src,), needs_bytes=tensor_bytes(manifest)) as tmp, \
+            _process_group():
         write_checkpoint(tmp, manifest["step"], state)
     print(f"imported {len(manifest['tensors'])} tensors from {src} into {dst}")
 

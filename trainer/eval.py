@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
+from ckpt.saved_config import literal
 from trainer.config import (
     CONF_DIR,
     DataConfig,
@@ -50,7 +51,7 @@ def _eval_data(cfg: DictConfig, meta: CheckpointMeta) -> DictConfig:
     `data.tokenizer=HF_DIR`, `data.max_documents=N`)."""
     saved = saved_run_config(meta).get("data", {}) if meta.run_config else {}
     data = OmegaConf.merge(OmegaConf.structured(DataConfig), saved,
-                           {"tokenizer": meta.tokenizer})
+                           literal({"tokenizer": meta.tokenizer}))
     for key, value in OmegaConf.to_container(cfg.data).items():
         if value != getattr(DataConfig, key, value):
             data[key] = value
@@ -172,8 +173,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     meta = ckpt.meta
     trained_length = cfg.eval.trained_length or meta.seq_length
     typed = typed_model_keys(command_line_overrides())
-    model_cfg = with_rope_overrides(cfg.model, asdict(meta.model), typed, trained_length,
-                                    max(cfg.eval.lengths))
+    model_cfg = with_rope_overrides(cfg.model, literal(asdict(meta.model)), typed,
+                                    trained_length, max(cfg.eval.lengths))
     check_model(model_cfg, cfg.attention, cfg.parallel)
     data = _eval_data(cfg, meta)
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, open_dict
 from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import MODEL_WEIGHT, Checkpoint, CheckpointError
+from ckpt.saved_config import literal
 from trainer.config import command_line_overrides
 from trainer.errors import UserError
 from trainer.rope_override import typed_model_keys, with_rope_overrides
@@ -78,7 +79,7 @@ def adopt_saved_model(cfg: DictConfig, ckpt: Checkpoint) -> FineTuneStart | None
     # The saved model, with the run's model.rope_* (they change no parameter; a different
     # chosen model is refused, listing the differing settings): trainer/rope_override.py.
     typed = typed_model_keys(command_line_overrides())
-    model = with_rope_overrides(cfg.model, asdict(meta.model), typed, meta.seq_length,
+    model = with_rope_overrides(cfg.model, literal(asdict(meta.model)), typed, meta.seq_length,
                                 cfg.trainer.seq_length)
     with open_dict(cfg):
         cfg.model = model

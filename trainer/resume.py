@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
+from ckpt.saved_config import SavedConfigError, read_saved_config
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,12 @@ def check_resume(cfg: DictConfig, ckpt: Checkpoint) -> None:
 
 
 def saved_run_config(meta: CheckpointMeta) -> DictConfig:
-    """The run config a checkpoint was trained with (its record carries it verbatim)."""
-    return OmegaConf.create(meta.run_config)
+    """The run config a checkpoint was trained with (its record carries it verbatim), read as
+    data: no interpolation, bounded (`ckpt.saved_config`)."""
+    try:
+        return read_saved_config(meta.run_config)
+    except SavedConfigError as e:
+        raise UserError(f"the checkpoint's saved run config: {e}") from None
 
 
 def check_settings(saved: DictConfig, cfg: DictConfig, step: int, where: str) -> list[str]:

@@ -17,14 +17,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-import conf
 from models.schema import ModelConfig
+from trainer.config import CONF_DIR
 from trainer.errors import UserError
 
 
 def default_model() -> DictConfig:
     """The model group as the entry points compose it when none is chosen."""
-    tiny = OmegaConf.load(Path(conf.__file__).parent / "model" / "tiny.yaml")
+    # by location: `import conf` would import a `conf` package of the working directory
+    tiny = OmegaConf.load(Path(CONF_DIR) / "model" / "tiny.yaml")
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), tiny)
 
 

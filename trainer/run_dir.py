@@ -2,7 +2,10 @@
 
 - Rank 0 holds `run.lock` (an `fcntl.flock`, holding its pid and host) for the process's life:
   the OS releases it on any exit, SIGKILL included, so it is never stale; a second run into the
-  directory is refused naming the holder.
+  directory is refused naming the holder. A `checkpoint.dir` outside the run directory gets the
+  same lock, and one inside another run's directory is refused: two runs with different run
+  directories but one checkpoints root would corrupt each other's saves.
+- `checkpoint.dir` must be writable (checked on every rank before anything is built).
 - A run into a directory whose `checkpoint.dir` holds checkpoints must resume from the newest of
   them, or say `checkpoint.overwrite=true`: then every checkpoint after the step it starts at
   (all of them for a fresh run) is removed first, so the tracker never moves back while stale
@@ -22,6 +25,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +47,9 @@ class RunDirError(UserError):
     """The run directory is in use, or holds checkpoints this run would mix with."""
 
 
-def hold(run_dir: Path) -> None:
-    """Take the run directory's lock for the rest of this process, or raise naming its holder."""
+def hold(run_dir: Path, name: str = "run directory", setting: str = "hydra.run.dir") -> None:
+    """Take the directory's lock for the rest of this process, or raise naming its holder
+    (`name` and `setting`: what the message calls the directory and the setting to change)."""
     run_dir = run_dir.absolute()
     if run_dir in _held:
         return
@@ -57,8 +62,8 @@ def hold(run_dir: Path) -> None:
         if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
             raise
         holder = (run_dir / LOCK).read_text().strip() or "another process"
-        raise RunDirError(f"run directory {run_dir} is in use by {holder}: choose another "
-                          "hydra.run.dir, or wait for that run to end") from None
+        raise RunDirError(f"{name} {run_dir} is in use by {holder}: choose another {setting}, "
+                          "or wait for that run to end") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     _held[run_dir] = fd
@@ -67,6 +72,55 @@ def hold(run_dir: Path) -> None:
 def checkpoints_root(cfg: DictConfig, run_dir: Path) -> Path:
     root = Path(cfg.checkpoint.dir)
     return root if root.is_absolute() else run_dir / root
+
+
+def check_writable(cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse a `checkpoint.dir` this process cannot create files in (a read-only file system,
+    no permission) before any step is trained, rather than at the first save."""
+    if not cfg.checkpoint.save:
+        return
+    root = checkpoints_root(cfg, run_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise RunDirError(f"checkpoint.dir={root} is not writable ({e.strerror}): choose a "
+                          "writable checkpoint.dir, or set checkpoint.save=false") from None
+
+
+def hold_checkpoints(cfg: DictConfig, run_dir: Path) -> None:
+    """Lock a `checkpoint.dir` that lies outside the run directory (inside, the run directory's
+    lock covers it), after refusing one inside a directory another process holds."""
+    if not cfg.checkpoint.save:
+        return
+    check_writable(cfg, run_dir)
+    root, run_dir = checkpoints_root(cfg, run_dir).absolute(), run_dir.absolute()
+    if root == run_dir or run_dir in root.parents:
+        return
+    for parent in root.parents:
+        if parent not in _held and _held_by_another(parent / LOCK):
+            holder = (parent / LOCK).read_text().strip() or "another process"
+            raise RunDirError(f"checkpoint.dir {root} lies in the run directory {parent}, in use "
+                              f"by {holder}: choose another checkpoint.dir, or wait for that run "
+                              "to end")
+    hold(root, "checkpoint.dir", "checkpoint.dir")
+
+
+def _held_by_another(lock: Path) -> bool:
+    """Whether some process holds `lock` (taken and released at once when free)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EACCES)
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
 
 
 def saved_steps(root: Path) -> list[int]:
@@ -128,6 +182,7 @@ class ClaimRunDir(Callback):
         run_dir = Path(str(config.hydra.run.dir)).absolute()
         try:
             hold(run_dir)
+            hold_checkpoints(config, run_dir)
             check_checkpoints(config, run_dir)
         except RunDirError as e:
             _refusal.append(e)

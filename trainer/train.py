@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from ckpt.disk import space_shortfall
 from ckpt.load import load_checkpoint
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
@@ -35,7 +36,13 @@ from trainer.init_from import adopt_saved_model, open_load
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.resume import apply_optimizer_settings, check_resume
-from trainer.run_dir import check_checkpoints, checkpoints_root, drop_checkpoints_after
+from trainer.run_dir import (
+    RunDirError,
+    check_checkpoints,
+    check_writable,
+    checkpoints_root,
+    drop_checkpoints_after,
+)
 from trainer.step import train_step, validation_loss
 from trainer.stop import StopOnSignal, Stopped
 from trainer.validate import check_datasets, placement, validate_train
@@ -82,6 +89,7 @@ class Trainer:
         if resume_from:
             check_resume(cfg, resume_from)
         check_checkpoints(cfg, run_dir)
+        check_writable(cfg, run_dir)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device, self.bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
@@ -94,6 +102,7 @@ class Trainer:
         self.hf_source = source.meta.hf_source if source else None
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
+        self._check_space()
         self.step = 0
         self.consumed_samples = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
@@ -116,6 +125,25 @@ class Trainer:
             self.topo.dp_rank, self.topo.layout.dp, mix=self.passkey_mix,
         )
         self._ahead: list[dict[str, torch.Tensor]] | None = None  # the next step's, when read
+
+    def _check_space(self) -> None:
+        """Refuse to train when one checkpoint cannot fit in `checkpoint.dir` (collective)."""
+        if not self.cfg.checkpoint.save:
+            return
+        root = checkpoints_root(self.cfg, self.run_dir)
+        # each weight, Adam's two fp32 moments and, for 16-bit weights, an fp32 master copy; every
+        # model-parallel rank writes its own share
+        local = sum(p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+                    for chunk in self.model for p in chunk.parameters())
+        needed = local * self.topo.tp * self.topo.pp
+        short = space_shortfall(root, needed)
+        flag = torch.tensor([1.0 if short else 0.0], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise RunDirError(f"checkpoint.dir={root}: one checkpoint will not fit "
+                              f"({short or 'on another rank'}): free space, choose another "
+                              "checkpoint.dir, or set checkpoint.save=false")
 
     def _setup_parallel(self) -> None:
         """Process groups and megatron's parallel state; micro-batches per step."""

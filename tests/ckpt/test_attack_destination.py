@@ -39,7 +39,7 @@ def _other_command_writes(dst: Path) -> None:
 
 def test_a_new_dst_written_meanwhile_by_another_command_is_kept(tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    with pytest.raises(DestinationError, match="written by another command"):  # noqa: PT012
+    with pytest.raises(DestinationError, match="appeared while this command ran"):  # noqa: PT012
         with staged(dst, False) as tmp:
             (tmp / "who").write_text("this")
             _other_command_writes(dst)  # both saw no DST; the other one finishes first
@@ -73,7 +73,7 @@ def test_two_export_hf_into_one_new_dst(hf_imported, tmp_path: Path, capsys,
     capsys.readouterr()
     assert main(["export-hf", str(imported), str(dst)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {dst} was written by another command"), err
+    assert err.startswith(f"error: {dst} appeared while this command ran"), err
     assert sorted(p.name for p in dst.iterdir()) == ["who"]
 
 
