@@ -135,7 +135,7 @@ class Trainer:
         # model-parallel rank writes its own share
         local = sum(p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
                     for chunk in self.model for p in chunk.parameters())
-        needed = local * self.topo.tp * self.topo.pp
+        needed = local * self.topo.layout.tp * self.topo.layout.pp
         short = space_shortfall(root, needed)
         flag = torch.tensor([1.0 if short else 0.0], device=self.device)
         if dist.get_world_size() > 1:
