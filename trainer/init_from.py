@@ -58,6 +58,8 @@ class FineTuneStart:
         self.path = path
         self.ckpt = ckpt
         self.real_vocab = real_vocab(ckpt)  # recorded again by the fine-tune's checkpoints
+        # the imported model's source (its max_position_embeddings, family), for export-hf
+        self.hf_source = ckpt.extra.get("hf_source")
 
     def vocab_size(self, tokenizer_vocab: int, tokenizer: str) -> int:
         """The vocabulary to build with: the checkpoint's, if the tokenizer fits in it."""

@@ -92,6 +92,7 @@ class Trainer:
         vocab = tokenizer.vocab_size
         self._setup_model(start.vocab_size(vocab, cfg.data.tokenizer) if start else vocab)
         self.real_vocab = start.real_vocab if start else vocab  # saved for `ckpt export-hf`
+        self.hf_source = start.hf_source if start else None  # likewise
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.step = 0
@@ -172,6 +173,7 @@ class Trainer:
         self.step = extra["step"]
         self.consumed_samples = extra["consumed_samples"]
         self.real_vocab = extra.get("vocab_size", self.real_vocab)
+        self.hf_source = extra.get("hf_source")
         return extra.get("wandb_id")
 
     def train_step(self) -> tuple[float, float]:
@@ -210,6 +212,8 @@ class Trainer:
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
             "wandb_id": self.metrics.wandb_id,
         }
+        if self.hf_source:
+            extra["hf_source"] = self.hf_source
         t0 = time.perf_counter()
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, extra,
                                self.cfg.checkpoint.thread_count)
