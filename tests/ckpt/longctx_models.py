@@ -39,9 +39,11 @@ VARIANTS = {
 }
 
 
-def write_variant(root: Path, name: str, seed: int = 0) -> Path:
-    """A model-only checkpoint of VARIANTS[name] with random weights (TP=1, fp32)."""
+def write_variant(root: Path, name: str, seed: int = 0, **attention_settings) -> Path:
+    """A model-only checkpoint of VARIANTS[name] (its attention settings replaced by
+    `attention_settings`) with random weights (TP=1, fp32)."""
     model, attention = VARIANTS[name]
+    attention = replace(attention, **attention_settings)
     initialize_parallel(torch.device("cpu"), tp=1, seed=seed)
     try:
         built = build_model(model, attention, ParallelConfig(), vocab_size=VOCAB,
@@ -55,13 +57,16 @@ def write_variant(root: Path, name: str, seed: int = 0) -> Path:
     return root
 
 
-def trainer_logits(root: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """The trainer's logits for `tokens` [b, s]: the checkpoint's model with its own attention."""
+def trainer_logits(root: Path, tokens: torch.Tensor,
+                   attention: AttentionConfig | None = None) -> torch.Tensor:
+    """The trainer's logits for `tokens` [b, s]: the checkpoint's model with its own attention
+    (or `attention`)."""
     ckpt = resolve_checkpoint(root)
     saved = Checkpoint(ckpt).config
     initialize_parallel(torch.device("cpu"), tp=1, seed=0)
     try:
-        built = build_model(saved.model, saved.attention, ParallelConfig(), vocab_size=VOCAB,
+        built = build_model(saved.model, attention or saved.attention, ParallelConfig(),
+                            vocab_size=VOCAB,
                             max_sequence_length=tokens.shape[1])
         load_model_weights(ckpt, built.gpt)
         with torch.no_grad():
