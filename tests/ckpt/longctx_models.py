@@ -39,18 +39,19 @@ VARIANTS = {
 }
 
 
-def write_variant(root: Path, name: str, seed: int = 0, **attention_settings) -> Path:
+def write_variant(root: Path, name: str, seed: int = 0, seq_length: int = SEQ,
+                  **attention_settings) -> Path:
     """A model-only checkpoint of VARIANTS[name] (its attention settings replaced by
-    `attention_settings`) with random weights (TP=1, fp32)."""
+    `attention_settings`), trained length `seq_length`, with random weights (TP=1, fp32)."""
     model, attention = VARIANTS[name]
     attention = replace(attention, **attention_settings)
     initialize_parallel(torch.device("cpu"), tp=1, seed=seed)
     try:
         built = build_model(model, attention, ParallelConfig(), vocab_size=VOCAB,
-                            max_sequence_length=SEQ)
+                            max_sequence_length=seq_length)
         extra = {"step": 0, "consumed_samples": 0, "tp": 1, "model_only": True,
                  "vocab_size": VOCAB,
-                 "config": run_config(model, 1, SEQ, "byte", attention)}
+                 "config": run_config(model, 1, seq_length, "byte", attention)}
         write_checkpoint(root, 0, {"model": built.gpt.sharded_state_dict(), "extra": extra})
     finally:
         shutdown()
