@@ -13,6 +13,8 @@ a checkpoint (with `--attention` and with standard attention), each exported wit
 - remote:      the export's remote code (`trust_remote_code=True`) through `generate()`;
 - hf_standard: the standard-attention export as transformers' own Llama (SDPA) through
                `generate()`.
+- trainer_recompute: `--recompute` tokens, each a forward of the whole sequence
+               (trainer.generate's kv_cache=false, the reference the cache is tested against).
 prefill_s is the prompt's forward (with the first token); decode_tok_s is tokens per second
 over the `--decode` tokens after it (generate() timed with 1 and 1 + decode new tokens, the
 difference). `agree` counts the decoded tokens equal to the trainer row's, position by position.
@@ -86,6 +88,29 @@ def _trainer_row(model, prompt: torch.Tensor, decode: int, vocab: int,
             "tokens": tokens}
 
 
+def _recompute_row(model, prompt: torch.Tensor, steps: int, vocab: int,
+                   device: torch.device) -> dict:
+    """trainer.generate with kv_cache=false: a forward of the whole sequence per token."""
+    from trainer.decoding import logits_of
+
+    seq, tokens = prompt, []
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(steps + 1):
+            token = logits_of(model, seq, vocab)[:, -1].argmax(-1, keepdim=True)
+            if i == 0:
+                _sync(device)
+                t1 = time.perf_counter()
+            else:
+                tokens.append(int(seq[0, -1]))
+            seq = torch.cat([seq, token], dim=1)
+    _sync(device)
+    t2 = time.perf_counter()
+    return {"variant": "trainer_recompute", "prefill_s": t1 - t0,
+            "decode_tok_s": steps / (t2 - t1), "tokens": tokens}
+
+
 def _hf_row(name: str, directory: Path, prompt: torch.Tensor, decode: int, dtype: torch.dtype,
             device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
@@ -127,6 +152,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
         try:
             model = _write_checkpoints(root, args, device)
             rows.append(_trainer_row(model, prompt, args.decode, args.vocab, device))
+            if args.recompute:
+                rows.append(_recompute_row(model, prompt, args.recompute, args.vocab, device))
             del model
         finally:
             shutdown()
@@ -158,6 +185,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--prefill", type=int, default=32768)
     parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--recompute", type=int, default=8,
+                        help="also time this many tokens recomputing the whole sequence each "
+                             "(trainer.generate kv_cache=false); 0: skip")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tmp", default=None, help="where the checkpoints and exports go")

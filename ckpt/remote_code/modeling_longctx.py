@@ -53,7 +53,9 @@ class LongCtxAttention(LlamaAttention):
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None,
                 **kwargs) -> tuple[torch.Tensor, None]:
-        cache = cache if cache is not None else past_key_values
+        # transformers 5 passes `cache`; earlier releases `past_key_values` / `past_key_value`
+        cache = next((c for c in (cache, past_key_values, kwargs.get("past_key_value"))
+                      if c is not None), None)
         b, s, _ = hidden_states.shape
         shape = (b, s, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [b, hq, s, d]
