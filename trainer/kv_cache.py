@@ -43,6 +43,7 @@ class CachedDecoder:
         self.keys: list[torch.Tensor | None] = [None] * len(self.cores)  # [b, hk, n, d] each
         self.values: list[torch.Tensor | None] = [None] * len(self.cores)
         self.length = 0
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # DCA's, per layer
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class CachedDecoder:
         k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, hk, s, d]
         core = self.cores[i]
         if isinstance(core, DCACoreAttention):  # keys rotated once, to their in-chunk offset
-            cos, sin = _dca_tables(core, k)
+            cos, sin = self._dca_tables(i, k)
             pos = torch.arange(self.length, self.length + k.shape[2], device=k.device)
             r, _, _ = dca_positions(pos, core.chunk_size, core.local_size)
             k = apply_rope(k.transpose(1, 2), cos[r], sin[r]).transpose(1, 2)
@@ -78,6 +79,17 @@ class CachedDecoder:
             k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
         self.keys[i], self.values[i] = k, v
         return k, v
+
+    def _dca_tables(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's DCA RoPE tables [C + 1, d] (the trainer's frequencies and attention
+        factor), made once."""
+        if i not in self.tables:
+            core = self.cores[i]
+            dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+            self.tables[i] = rope_cos_sin(torch.arange(core.chunk_size + 1), like.shape[-1],
+                                          core.rope_theta, core.mscale, dtype=dtype,
+                                          device=like.device, scaling=core.rope_scaling)
+        return self.tables[i]
 
     def _record(self, i: int):
         def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -111,7 +123,7 @@ class CachedDecoder:
             q = query.permute(1, 2, 0, 3)  # [s, b, hq, d] -> [b, hq, s, d]
             scale = core.scale(q)
             if isinstance(core, DCACoreAttention):
-                cos, sin = _dca_tables(core, q)
+                cos, sin = self._dca_tables(i, q)
                 out = dca_attention(q, k, v, chunk_size=core.chunk_size,
                                     local_size=core.local_size, cos=cos, sin=sin, scale=scale)
             else:
@@ -122,8 +134,3 @@ class CachedDecoder:
         return forward
 
 
-def _dca_tables(core: DCACoreAttention, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's DCA RoPE tables [C + 1, d] (its frequencies and attention factor)."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return rope_cos_sin(torch.arange(core.chunk_size + 1), like.shape[-1], core.rope_theta,
-                        core.mscale, dtype=dtype, device=like.device, scaling=core.rope_scaling)

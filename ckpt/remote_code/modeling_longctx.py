@@ -48,6 +48,15 @@ class LongCtxAttention(LlamaAttention):
                           if self.settings.get("head_wise_attn_gate") else None)
         # DCA rotates to positions 0..chunk_size only: its own table, the model's RoPE scaling
         self.rotary = LlamaRotaryEmbedding(config) if self.kind == "dca" else None
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _dca_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [chunk_size + 1, d] in float32 (attention factor included), made once."""
+        if device not in self._tables:
+            table = torch.arange(self.settings["dca_chunk_size"] + 1, device=device)[None]
+            dummy = torch.zeros((), device=device)  # float32: the tables' dtype
+            self._tables[device] = tuple(t[0] for t in self.rotary(dummy, table))
+        return self._tables[device]
 
     def forward(self, hidden_states: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -63,8 +72,7 @@ class LongCtxAttention(LlamaAttention):
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if self.kind == "dca":
             chunk, local = self.settings["dca_chunk_size"], self.settings["dca_local_size"]
-            table = torch.arange(chunk + 1, device=q.device)[None]
-            cos, sin = (t[0] for t in self.rotary(q.float(), table))  # [C + 1, d] float32
+            cos, sin = self._dca_tables(q.device)
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
             r, _, _ = dca_positions(torch.arange(past, past + s, device=q.device), chunk, local)
             k = rotate(k, cos[r], sin[r])
