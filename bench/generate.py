@@ -16,8 +16,8 @@ a checkpoint (with `--attention` and with standard attention), each exported wit
 - trainer_recompute: `--recompute` tokens, each a forward of the whole sequence
                (trainer.generate's kv_cache=false, the reference the cache is tested against).
 prefill_s is the prompt's forward (with the first token); decode_tok_s is tokens per second
-over the `--decode` tokens after it (generate() timed with 1 and 1 + decode new tokens, the
-difference). `agree` counts the decoded tokens equal to the trainer row's, position by position.
+over the `--decode` tokens after it (for generate(), timed by a streamer that sees each token).
+`agree` counts the decoded tokens equal to the trainer row's, position by position.
 """
 
 from __future__ import annotations
@@ -114,27 +114,42 @@ def _recompute_row(model, prompt: torch.Tensor, steps: int, vocab: int,
 def _hf_row(name: str, directory: Path, prompt: torch.Tensor, decode: int, dtype: torch.dtype,
             device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        """generate() hands it the prompt, then each new token: the times of those calls."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            _sync(device)
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            _sync(device)
+            self.times.append(time.perf_counter())
 
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
                                                  dtype=dtype).to(device).eval()
     mask = torch.ones_like(prompt)
 
-    def run(new: int, model: torch.nn.Module = model) -> tuple[float, torch.Tensor]:
+    def run(new: int, model: torch.nn.Module = model) -> tuple[list[float], torch.Tensor]:
+        clock = Clock()
         _sync(device)
-        t0 = time.perf_counter()
+        clock.times.append(time.perf_counter())
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False)
-        _sync(device)
-        return time.perf_counter() - t0, out[0, prompt.shape[1]:]
+                                 min_new_tokens=new, do_sample=False, streamer=clock)
+        return clock.times, out[0, prompt.shape[1]:]
 
-    run(1)  # warm-up (kernel selection, remote code import)
-    prefill, _ = run(1)
-    total, out = run(decode + 1)
+    run(2)  # warm-up (kernel selection, remote code import)
+    times, out = run(decode + 1)
+    # times: start, prompt handed over, token 0 (after the prefill), tokens 1.., end
     del model
     gc.collect()
-    return {"variant": name, "prefill_s": prefill, "decode_tok_s": decode / (total - prefill),
-            "tokens": out.tolist()[:decode]}
+    return {"variant": name, "prefill_s": times[2] - times[0],
+            "decode_tok_s": decode / (times[-2] - times[2]), "tokens": out.tolist()[:decode]}
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
