@@ -13,14 +13,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from models.schema import ModelConfig
+from models.schema import AttentionConfig, ModelConfig
 
 # architecture -> (model_type, q/k/v biases always on)
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False),
     "MistralForCausalLM": ("mistral", False),
     "Qwen2ForCausalLM": ("qwen2", True),
+    # our remote-code exports (ckpt/remote_code/): biases per their "longctx" settings
+    "LongCtxForCausalLM": ("longctx", False),
 }
+FAMILY_ARCHITECTURE = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
 # Our ModelConfig field <- HF rope scaling key.
 _ROPE_KEYS = {
     "rope_scaling_factor": "factor",
@@ -30,6 +33,14 @@ _ROPE_KEYS = {
     "rope_beta_fast": "beta_fast",
     "rope_beta_slow": "beta_slow",
     "rope_attention_factor": "attention_factor",
+}
+# The keys transformers reads for each rope type (others make it warn "Unrecognized keys").
+_ROPE_TYPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor"),
 }
 # transformers' "dynamic" rescales with the running length (unscaled up to the trained length);
 # ours is the static NTK base, a different function: not imported.
@@ -92,7 +103,7 @@ def architecture(cfg: dict[str, Any], path: Path) -> tuple[str, bool]:
         raise HFError(f"{path}: architecture {archs or '(none given)'} is not supported; "
                       f"import-hf reads {sorted(ARCHITECTURES)}")
     arch = known[0]
-    bias = ARCHITECTURES[arch][1]
+    bias = ARCHITECTURES[arch][1] or bool((cfg.get("longctx") or {}).get("qkv_bias"))
     if cfg.get("attention_bias"):  # Llama's flag also puts a bias on o_proj
         raise HFError(f"{path}: attention_bias=true (biases on q/k/v/o) is not supported")
     return arch, bias
@@ -168,13 +179,43 @@ def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
         raise HFError(f"{path}: missing setting {e}") from None
 
 
+def attention_config(cfg: dict[str, Any]) -> AttentionConfig:
+    """The attention an export recorded under config.json's "longctx" key (standard if none)."""
+    settings = cfg.get("longctx") or {}
+    att = AttentionConfig(kind=settings.get("attention", "standard"),
+                          head_wise_attn_gate=bool(settings.get("head_wise_attn_gate", False)))
+    for key in ("dca_chunk_size", "dca_local_size", "chunk_size", "global_layer_interval"):
+        if key in settings:
+            setattr(att, key, settings[key])
+    return att
+
+
+def _rope_config(model: ModelConfig) -> dict[str, Any]:
+    """rope_theta and, when scaled, rope_scaling with only the keys transformers knows for the
+    type. Our static NTK base (ntk, dynamic) is plain RoPE at a larger theta, written so."""
+    kind, theta = model.rope_scaling_type, model.rope_theta
+    if kind in ("ntk", "dynamic"):
+        d = model.kv_channels or model.hidden_size // model.num_attention_heads
+        return {"rope_theta": theta * model.rope_scaling_factor ** (d / (d - 2))}
+    if kind == "none":
+        return {"rope_theta": theta}
+    theirs = {v: k for k, v in _ROPE_KEYS.items()}
+    scaling: dict[str, Any] = {"rope_type": kind}
+    for key in _ROPE_TYPE_KEYS[kind]:
+        value = getattr(model, theirs[key])
+        if value is not None:
+            scaling[key] = value
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
 def hf_config(model: ModelConfig, vocab_size: int, max_positions: int, dtype: str,
-              extra: dict[str, Any]) -> dict[str, Any]:
-    """An HF config.json for our model (Qwen2 when it has q/k/v biases, else Llama)."""
-    qwen = model.qkv_bias
+              extra: dict[str, Any], family: str | None = None) -> dict[str, Any]:
+    """An HF config.json for our model: `family` llama, mistral or qwen2 (default: Qwen2 when it
+    has q/k/v biases, else Llama)."""
+    family = family or ("qwen2" if model.qkv_bias else "llama")
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [FAMILY_ARCHITECTURE[family]],
+        "model_type": family,
         "vocab_size": vocab_size,
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size,
@@ -186,20 +227,15 @@ def hf_config(model: ModelConfig, vocab_size: int, max_positions: int, dtype: st
         "max_position_embeddings": max_positions,
         "rms_norm_eps": model.layernorm_epsilon,
         "tie_word_embeddings": not model.untie_embeddings,
-        "rope_theta": model.rope_theta,
+        **_rope_config(model),
         "torch_dtype": dtype,
         **extra,
     }
-    if qwen:
+    if family == "qwen2":
         cfg["use_sliding_window"] = False
+    elif family == "mistral":
+        cfg["sliding_window"] = None
     else:
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
-    if model.rope_scaling_type != "none":
-        scaling = {"rope_type": model.rope_scaling_type}
-        for ours, theirs in _ROPE_KEYS.items():
-            value = getattr(model, ours)
-            if value is not None and (ours != "rope_original_max_position" or value):
-                scaling[theirs] = value
-        cfg["rope_scaling"] = scaling
     return cfg

@@ -4,9 +4,17 @@ Reads the global tensors (any TP size; no process group, no model built) with
 `ckpt.reader.Checkpoint.read`, one megatron tensor at a time, and writes `config.json` (a Llama,
 or Qwen2 when the model has q/k/v biases) and `model.safetensors`, or shards with
 `model.safetensors.index.json` above `--max-shard-bytes`. The checkpoint's tokenizer files are
-copied when its run used a `tokenizer.json`. DCA or chunked attention settings go into
-config.json under the key "longctx" (transformers ignores it and runs standard attention). A
-head-gated model has no Llama equivalent and is refused.
+copied when its run used a `tokenizer.json`.
+
+A model that is plain Llama/Qwen2/Mistral (standard attention, no gate) exports as that family
+(Mistral when it was imported from one). A DCA, chunked or head-gated model exports with the
+transformers remote code in ckpt/remote_code/ (its files copied beside the weights, `auto_map`
+in config.json, the attention settings under "longctx"), so
+`AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True)` runs the attention it was
+trained with. A Qwen2-shaped DCA model without RoPE scaling or gate also keeps model_type qwen2
+and carries sglang's `dual_chunk_attention_config`. `max_position_embeddings` is the model's own
+(the imported model's, else the trained length; `--max-position-embeddings` for the length DCA
+extends it to, the model's own then recorded as "longctx".original_max_position_embeddings).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ckpt import remote_code
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.hf_config import HFError, hf_config
 from ckpt.hf_import import INDEX
@@ -33,6 +42,7 @@ from models.schema import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
+REMOTE_CODE = ("configuration_longctx.py", "modeling_longctx.py", "longctx_attention.py")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -43,25 +53,77 @@ def _model(ckpt: Checkpoint) -> ModelConfig:
 def _refusals(ckpt: Checkpoint, m: ModelConfig) -> list[str]:
     att = ckpt.meta.attention
     problems = []
-    if att.head_wise_attn_gate:
-        problems.append("attention.head_wise_attn_gate: a head-gated model cannot be expressed "
-                        "as a Hugging Face Llama/Qwen2 (the gate would be dropped)")
+    if att.dca_scaling != "none":
+        problems.append(f"attention.dca_scaling={att.dca_scaling}: the length-dependent DCA "
+                        "logit scaling is not in the exported model (export a checkpoint saved "
+                        "with dca_scaling=none)")
     if m.normalization != "RMSNorm" or not m.swiglu:
         problems.append(f"model.normalization={m.normalization}, model.swiglu={m.swiglu}: only "
                         "RMSNorm + SwiGLU models are Llama-shaped")
     return problems
 
 
-def _longctx(ckpt: Checkpoint) -> dict[str, Any]:
-    """The attention variant's settings, recorded under config.json's "longctx" key."""
+def _longctx(ckpt: Checkpoint, m: ModelConfig, original_max: int) -> dict[str, Any]:
+    """The attention settings the remote code reads (config.json's "longctx"); empty for a
+    plain model (standard attention, no gate), which needs no remote code."""
     att = ckpt.meta.attention
+    gate = att.head_wise_attn_gate
+    if att.kind == "standard" and not gate:
+        return {}
+    out: dict[str, Any] = {"attention": att.kind, "head_wise_attn_gate": gate,
+                           "qkv_bias": m.qkv_bias,
+                           "original_max_position_embeddings": original_max}
     if att.kind == "dca":
-        return {"attention": "dca", "dca_chunk_size": att.dca_chunk_size,
-                "dca_local_size": att.dca_local_size}
+        out.update(dca_chunk_size=att.dca_chunk_size, dca_local_size=att.dca_local_size)
     if att.kind == "chunked":
-        return {"attention": "chunked", "chunk_size": att.chunk_size,
-                "global_layer_interval": att.global_layer_interval}
-    return {}
+        out.update(chunk_size=att.chunk_size, global_layer_interval=att.global_layer_interval)
+    return out
+
+
+def _source_config(ckpt: Checkpoint) -> dict[str, Any]:
+    """The config.json of the Hugging Face model the checkpoint was imported from (kept through
+    fine-tunes in the record's `hf_source`), or {}."""
+    source = ckpt.meta.hf_source
+    return json.loads(source.config_json) if source and source.config_json else {}
+
+
+def model_max_positions(ckpt: Checkpoint) -> int:
+    """The model's own context length: the imported model's `max_position_embeddings` (its
+    original one, if an export recorded a longer length for DCA), else the trained length."""
+    hf = _source_config(ckpt)
+    own = (hf.get("longctx") or {}).get("original_max_position_embeddings") \
+        or hf.get("max_position_embeddings")
+    return int(own or ckpt.meta.seq_length)
+
+
+def _family(ckpt: Checkpoint, m: ModelConfig) -> str:
+    if m.qkv_bias:
+        return "qwen2"
+    source = ckpt.meta.hf_source
+    return "mistral" if source and source.architecture == "MistralForCausalLM" else "llama"
+
+
+def _remote_code(cfg: dict[str, Any], family: str, m: ModelConfig) -> dict[str, Any]:
+    """config.json for the remote code: LongCtxForCausalLM, or for a Qwen2-shaped DCA model that
+    sglang can serve (no RoPE scaling: its DCA rotary ignores it; no gate) a Qwen2 config with
+    sglang's `dual_chunk_attention_config` (chunk_size, local_size; original_max_position_
+    embeddings 0 turns its length-dependent scaling off, as ours is)."""
+    settings = cfg["longctx"]
+    sglang = (family == "qwen2" and settings["attention"] == "dca"
+              and not settings["head_wise_attn_gate"] and m.rope_scaling_type == "none")
+    kind = "LongCtxQwen2" if sglang else "LongCtx"
+    cfg["auto_map"] = {"AutoConfig": f"configuration_longctx.{kind}Config",
+                       "AutoModelForCausalLM": f"modeling_longctx.{kind}ForCausalLM"}
+    if sglang:
+        cfg["dual_chunk_attention_config"] = {
+            "chunk_size": settings["dca_chunk_size"], "local_size": settings["dca_local_size"],
+            "original_max_position_embeddings": 0}
+        return cfg
+    cfg.update(architectures=["LongCtxForCausalLM"], model_type="longctx")
+    for key in ("use_sliding_window", "sliding_window"):
+        cfg.pop(key, None)
+    cfg.update(attention_bias=False, mlp_bias=False)
+    return cfg
 
 
 def export_vocab(ckpt: Checkpoint) -> int:
@@ -72,8 +134,9 @@ def export_vocab(ckpt: Checkpoint) -> int:
 
 
 def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
-              max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write checkpoint `src` as the Hugging Face model directory `dst`."""
+              max_shard_bytes: int = 5 * 2**30, max_positions: int | None = None) -> None:
+    """Write checkpoint `src` as the Hugging Face model directory `dst` (`max_positions`: the
+    max_position_embeddings to write; default the model's own)."""
     if max_shard_bytes < 1:
         raise HFError(f"--max-shard-bytes {max_shard_bytes} must be >= 1 (bytes per "
                       "safetensors shard; the default is 5 GiB)")
@@ -85,13 +148,26 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
         raise HFError(f"cannot export {src_dir}:\n  - " + "\n  - ".join(problems))
     vocab = export_vocab(ckpt)
     dtype = ckpt.tensors[MODEL_WEIGHT].dtype
-    extra = {"longctx": _longctx(ckpt)} if _longctx(ckpt) else {}
-    cfg = hf_config(m, vocab, ckpt.meta.seq_length, _DTYPES[dtype], extra)
+    own = model_max_positions(ckpt)
+    if max_positions is not None and max_positions < own:
+        raise HFError(f"--max-position-embeddings {max_positions} is below the model's own "
+                      f"length ({own}); give at least {own}")
+    settings = _longctx(ckpt, m, own)
+    family = _family(ckpt, m)
+    max_positions = max_positions or _source_config(ckpt).get("max_position_embeddings") or own
+    cfg = hf_config(m, vocab, max_positions, _DTYPES[dtype],
+                    {"longctx": settings} if settings else {}, family)
+    if settings:
+        cfg = _remote_code(cfg, family, m)
+    gate = ckpt.meta.attention.head_wise_attn_gate
     dst = Path(dst)
     weights = sum(t.nbytes for k, t in ckpt.tensors.items() if not is_optimizer_key(k))
     with staged(dst, overwrite, sources=(src_dir,), needs_bytes=weights) as tmp:
-        _write_weights(tmp, hf_tensors(ckpt.read, Shape.of(m), vocab), max_shard_bytes)
+        _write_weights(tmp, hf_tensors(ckpt.read, Shape.of(m, gate), vocab), max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if settings:
+            for name in REMOTE_CODE:
+                shutil.copyfile(Path(remote_code.__file__).parent / name, tmp / name)
         _copy_tokenizer(ckpt, tmp)
     print(f"wrote {dst} ({cfg['architectures'][0]}, vocab {vocab}, {_DTYPES[dtype]})")
 
@@ -139,15 +215,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "export-hf", help="export a checkpoint as a Hugging Face Llama/Qwen2 model",
         description="Write a checkpoint (any TP size) as a directory that "
                     "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, "
-                    "safetensors and the run's tokenizer files. DCA/chunked settings are kept "
-                    "under config.json's \"longctx\" key; head-gated models are refused.")
+                    "safetensors and the run's tokenizer files. DCA, chunked and head-gated "
+                    "models carry transformers remote code (trust_remote_code=True) that runs "
+                    "the attention they were trained with.")
     p.add_argument("src", help=CHECKPOINT_HELP)
     add_destination_arguments(p, "the Hugging Face model directory")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
                    help="split model.safetensors into shards with an index above this size")
+    p.add_argument("--max-position-embeddings", type=int, metavar="N",
+                   help="the context length to record (default: the model's own, the imported "
+                        "model's or the trained length); e.g. the length a DCA model serves")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    export_hf(args.src, args.dst, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes)
+    export_hf(args.src, args.dst, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
+              max_positions=args.max_position_embeddings)
     return 0

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from safetensors import SafetensorError, safe_open
 
 from ckpt.destination import add_destination_arguments, staged
-from ckpt.hf_config import HFError, architecture, model_config, read_config
+from ckpt.hf_config import HFError, architecture, attention_config, model_config, read_config
 from ckpt.hf_weights import Shape, expected_hf, local_tensor
 from ckpt.meta import CheckpointMeta, HFSource
 from ckpt.save import write_checkpoint
@@ -195,12 +195,13 @@ def _import_rank(rank: int, tp: int, store: str, out_root: str, job: dict[str, A
         initialize_parallel(torch.device("cpu"), tp, 0)
         model = ModelConfig(**job["model"])
         bf16 = job["dtype"] == "bf16"
-        built = build_model(model, AttentionConfig(), ParallelConfig(tp=tp),
+        attention = AttentionConfig(**job["attention"])
+        built = build_model(model, attention, ParallelConfig(tp=tp),
                             vocab_size=job["vocab"], max_sequence_length=job["seq_length"],
                             options=BuildOptions(bf16=bf16, initialize=False))
         gpt = built.gpt.bfloat16() if bf16 else built.gpt
         src = SafetensorsSource({k: Path(v) for k, v in job["files"].items()})
-        shape = Shape.of(model)
+        shape = Shape.of(model, attention.head_wise_attn_gate)
         with torch.no_grad():
             for name, param in gpt.named_parameters():
                 param.copy_(local_tensor(name, shape, src, job["vocab"], built.vocab_size, tp,
@@ -218,12 +219,14 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     cfg = read_config(hf_dir)
     arch, _ = architecture(cfg, cfg_path)
     model = model_config(cfg, cfg_path)
+    attention = attention_config(cfg)  # an export's own attention (ckpt/hf_export.py)
     vocab = cfg.get("vocab_size")
     if vocab is None:
         raise HFError(f"{cfg_path}: vocab_size missing")
     files = weight_files(hf_dir)
     check_layers(files, model.num_layers, cfg_path)
-    source_dtype = check_tensors(files, expected_hf(Shape.of(model), vocab),
+    source_dtype = check_tensors(files, expected_hf(Shape.of(model,
+                                                            attention.head_wise_attn_gate), vocab),
                                  not model.untie_embeddings)
     dtype = dtype or source_dtype
     problems = _tp_problems(model, vocab, tp)
@@ -232,19 +235,22 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     seq_length = int(cfg.get("max_position_embeddings") or 4096)
     tokenizer = hf_dir / "tokenizer.json"
     meta = CheckpointMeta(
-        model=model, attention=AttentionConfig(), layout=Layout(tp=tp), seq_length=seq_length,
+        model=model, attention=attention, layout=Layout(tp=tp), seq_length=seq_length,
         vocab_size=vocab, tokenizer=str(tokenizer) if tokenizer.is_file() else "byte",
         model_only=True, hf_source=HFSource(path=str(hf_dir), architecture=arch,
                                             vocab_size=vocab, config_json=json.dumps(cfg)))
     padded = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
     print(f"{hf_dir.name}: {arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
           f"heads {model.num_attention_heads}/{model.num_query_groups}, vocab {vocab} (padded "
-          f"{padded}), rope {model.rope_scaling_type}, {len(set(files.values()))} file(s), "
+          f"{padded}), rope {model.rope_scaling_type}, attention {attention.kind}"
+          f"{' + head gate' if attention.head_wise_attn_gate else ''}, "
+          f"{len(set(files.values()))} file(s), "
           f"{dtype}, TP={tp}")
     if dry_run:
         print(f"dry run: would write {Path(dst)}/iter_0000000 (nothing written)")
         return
-    job = {"model": asdict(model), "vocab": vocab, "dtype": dtype, "seq_length": seq_length,
+    job = {"model": asdict(model), "attention": asdict(attention), "vocab": vocab,
+           "dtype": dtype, "seq_length": seq_length,
            "files": {k: str(v) for k, v in files.items()}, "meta": meta.to_saved()}
     dst = Path(dst)
     weights = sum(p.stat().st_size for p in set(files.values()))  # at least: dtypes may widen

@@ -35,13 +35,14 @@ class Shape:
     ffn: int
     qkv_bias: bool
     tied: bool
+    gate: bool = False  # the head-wise output gate: `self_attn.gate_proj` ([heads, hidden])
 
     @classmethod
-    def of(cls, m: ModelConfig) -> Shape:
+    def of(cls, m: ModelConfig, gate: bool = False) -> Shape:
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads,
                    m.num_query_groups or m.num_attention_heads,
                    m.kv_channels or m.hidden_size // m.num_attention_heads,
-                   m.ffn_hidden_size or 0, m.qkv_bias, not m.untie_embeddings)
+                   m.ffn_hidden_size or 0, m.qkv_bias, not m.untie_embeddings, gate)
 
     @property
     def per_group(self) -> int:
@@ -71,6 +72,10 @@ def expected_hf(s: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
         if s.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
+        if s.gate:
+            out[p + "self_attn.gate_proj.weight"] = (s.heads, s.hidden)
+            if s.qkv_bias:
+                out[p + "self_attn.gate_proj.bias"] = (s.heads,)
     return out
 
 
@@ -128,7 +133,13 @@ def local_tensor(param: str, s: Shape, src: Source, vocab: int, padded: int, tp:
     if rest == "pre_mlp_layernorm.weight":
         return src.rows(p + "post_attention_layernorm.weight")
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return _qkv(src, s, p + "self_attn.", rest.rsplit(".", 1)[1], tp, rank)
+        kind = rest.rsplit(".", 1)[1]
+        qkv = _qkv(src, s, p + "self_attn.", kind, tp, rank)
+        if not s.gate:
+            return qkv
+        heads = s.heads // tp  # models/attention/head_gate.py: each rank's [qkv_r; gate_r]
+        gate = src.rows(f"{p}self_attn.gate_proj.{kind}", rank * heads, (rank + 1) * heads)
+        return torch.cat([qkv, gate])
     if rest == "self_attention.linear_proj.weight":
         return src.cols(p + "self_attn.o_proj.weight", rank * q_cols, (rank + 1) * q_cols)
     if rest == "mlp.linear_fc1.weight":
@@ -164,7 +175,13 @@ def hf_tensors(read: Callable[[str], torch.Tensor], s: Shape,
         yield f"model.layers.{i}.mlp.gate_proj.weight", gate
         yield f"model.layers.{i}.mlp.up_proj.weight", up
     for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
-        qkv = read(f"decoder.layers.self_attention.linear_qkv.{kind}")
+        # A gated model's checkpoint stores [QKV; Gate] as two tensors (head_gate.py's factory).
+        key = f"decoder.layers.self_attention.linear_qkv.{kind}"
+        if s.gate:
+            gate = read(f"{key}._gate")
+            for i in range(s.layers):
+                yield f"model.layers.{i}.self_attn.gate_proj.{kind}", gate[i]
+        qkv = read(f"{key}._qkv" if s.gate else key)
         for i in range(s.layers):
             grouped = qkv[i].reshape(s.groups, (qpg + 2) * d, *qkv.shape[2:])
             q, k, v = grouped.split([qpg * d, d, d], dim=1)

@@ -68,3 +68,29 @@ def test_unknown_architecture_is_refused() -> None:
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     with pytest.raises(HFError, match="GPTNeoXForCausalLM.*not supported"):
         model_config(cfg, PATH)
+
+
+@pytest.mark.parametrize("kind", ["none", "linear", "llama3", "yarn", "ntk"])
+def test_exported_rope_is_ours_in_transformers_without_a_warning(kind: str) -> None:
+    """export-hf's rope settings, read by transformers' own config and rotary embedding, give our
+    frequencies and attention factor; only the keys transformers knows for the type are written
+    (a llama3 export carried yarn's beta_fast/beta_slow and made transformers warn), and our
+    static NTK base is written as plain RoPE at its larger theta."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from ckpt.hf_config import hf_config
+    from models.gpt import rope_scaling
+    from models.rope_scaling import rope_frequencies
+    from models.schema import ModelConfig
+    from tests.ckpt.test_hf_remote_code import no_warnings
+
+    model = ModelConfig(hidden_size=64, num_attention_heads=4, kv_channels=16,
+                        ffn_hidden_size=96, rope_theta=10000.0, rope_scaling_type=kind,
+                        rope_scaling_factor=4.0, rope_original_max_position=1024)
+    cfg = hf_config(model, 300, 4096, "float32", {})
+    with no_warnings() as records:
+        rotary = LlamaRotaryEmbedding(LlamaConfig.from_dict(cfg))
+    assert not records, [r.getMessage() for r in records]
+    inv_freq, factor = rope_frequencies(16, model.rope_theta, rope_scaling(model))
+    assert rotary.inv_freq.tolist() == pytest.approx(inv_freq.tolist(), rel=1e-6)
+    assert rotary.attention_scaling == pytest.approx(factor)

@@ -15,6 +15,7 @@ from ckpt.hf_export import export_hf
 from ckpt.hf_import import import_hf
 from tests.ckpt import hf_models
 from tests.ckpt.hf_models import VOCAB, hf_logits, save_hf
+from tests.ckpt.longctx_models import write_variant
 
 hf_imported = hf_models.hf_imported  # the shared fixture
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -45,6 +46,16 @@ def test_export_import_export_is_bitwise(tmp_path: Path, hf_imported) -> None:
     config = json.loads((tmp_path / "out2" / "config.json").read_text())
     assert config == json.loads((tmp_path / "out1" / "config.json").read_text())
     assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
+
+
+def test_a_mistral_exports_as_mistral(tmp_path: Path, hf_imported) -> None:
+    hf, imported = hf_imported("mistral", True)
+    export_hf(imported, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] is None
+    torch.testing.assert_close(hf_logits(tmp_path / "out", TOKENS), hf_logits(hf, TOKENS),
+                               rtol=0, atol=0)
 
 
 def _sharded(tmp_path: Path) -> Path:
@@ -103,11 +114,12 @@ def test_a_tp_the_model_cannot_split_over_is_refused_in_one_line(tmp_path: Path,
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_trainer_checkpoints_export_their_real_vocabulary_and_a_gate_is_refused(
+def test_trainer_checkpoints_export_their_real_vocabulary_length_and_gate(
         tmp_path: Path, run_training, hf_imported, capsys) -> None:
     """A byte-tokenizer run exports 257 rows; a fine-tune of an imported model (on its own
-    tokenizer) exports the model's vocabulary, loads in transformers and copies the tokenizer;
-    a head-gated fine-tune is refused, naming the setting."""
+    tokenizer, at a shorter length) exports the model's vocabulary and context length, loads in
+    transformers and copies the tokenizer; a head-gated fine-tune exports with its gate (remote
+    code); a DCA length scaling the export cannot carry is refused, naming the setting."""
     from transformers import AutoModelForCausalLM
 
     run_training(["trainer.max_steps=2", "trainer.save_interval=2"], name="byte")
@@ -117,18 +129,27 @@ def test_trainer_checkpoints_export_their_real_vocabulary_and_a_gate_is_refused(
 
     hf, imported = hf_imported("qwen2", True)
     run_training([f"checkpoint.load={imported}", f"data.tokenizer={hf}", "trainer.max_steps=2",
-                  "trainer.save_interval=2"], name="ft")
+                  "trainer.save_interval=2", "trainer.seq_length=32"], name="ft")
     export_hf(tmp_path / "ft" / "checkpoints", tmp_path / "ft_hf")
     assert {k: v.shape for k, v in tensors(tmp_path / "ft_hf").items()} == \
         {k: v.shape for k, v in tensors(hf).items()}
     assert (tmp_path / "ft_hf" / "tokenizer.json").read_bytes() == \
         (hf / "tokenizer.json").read_bytes()
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ft_hf").config.vocab_size == VOCAB
+    config = AutoModelForCausalLM.from_pretrained(tmp_path / "ft_hf").config
+    assert config.vocab_size == VOCAB
+    assert config.max_position_embeddings == 64  # the imported model's, not the fine-tune's 32
 
     run_training([f"checkpoint.load={imported}", "+attention=head_gate", "trainer.max_steps=2",
                   "trainer.save_interval=2"], name="gated")
+    export_hf(tmp_path / "gated" / "checkpoints", tmp_path / "gated_hf")
+    gate = tensors(tmp_path / "gated_hf")["model.layers.0.self_attn.gate_proj.weight"]
+    assert gate.shape == (4, 64)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "gated_hf", trust_remote_code=True)
+    assert torch.equal(model.model.layers[0].self_attn.gate_proj.weight, gate)
+
+    scaled = write_variant(tmp_path / "scaled", "dca-qwen2", dca_scaling="log")
     capsys.readouterr()
-    assert main(["export-hf", str(tmp_path / "gated" / "checkpoints"), str(tmp_path / "x")]) == 2
+    assert main(["export-hf", str(scaled), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot export") and "attention.head_wise_attn_gate" in err, err
+    assert err.startswith("error: cannot export") and "attention.dca_scaling=log" in err, err
     assert not (tmp_path / "x").exists()

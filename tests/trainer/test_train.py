@@ -82,8 +82,9 @@ def test_checkpoint_records_what_a_resume_needs(run_training, tmp_path: Path) ->
     run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
     extra = dist_checkpointing.load_common_state_dict(
         str(tmp_path / "run" / "checkpoints" / "iter_0000002"))["extra"]
-    assert extra["step"] == 2 and extra["consumed_samples"] == 8 and extra["tp"] == 1
-    assert "model:" in extra["config"] and "wandb_id" in extra
+    assert extra["step"] == 2 and extra["consumed_samples"] == 8 and extra["layout"]["tp"] == 1
+    assert "model:" in extra["run_config"] and "wandb_id" in extra
+    assert extra["model"]["num_layers"] == 2 and extra["meta_version"] == 2
     assert read_metrics(tmp_path / "run")[-1]["step"] == 2
 
 

@@ -1,0 +1,125 @@
+"""transformers model of a longctx export: Llama (or Qwen2: q/k/v biases) whose attention is the
+trainer's variant, with a KV cache for `generate()`.
+
+Per layer, by the config's "longctx" settings: Dual Chunk Attention (keys cached rotated to their
+in-chunk offset; each new query rotated three ways), chunked attention (Llama 4: a query sees its
+own chunk; every `global_layer_interval`-th layer global and without RoPE) or standard causal
+attention; optionally a sigmoid gate per head on the attention output (`gate_proj`). Batches
+must be unpadded (every row of `attention_mask` all ones).
+"""
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from .configuration_longctx import LongCtxConfig, LongCtxQwen2Config
+from .longctx_attention import causal_attention, dca_attention, dca_positions, rotate
+
+
+def layer_kind(settings: dict, layer_idx: int) -> str:
+    """"dca", "chunked", "global" (chunked models' NoPE layers) or "standard"."""
+    kind = settings.get("attention", "standard")
+    interval = settings.get("global_layer_interval", 0)
+    if kind == "chunked" and interval > 0 and (layer_idx + 1) % interval == 0:
+        return "global"
+    return kind
+
+
+class LongCtxAttention(LlamaAttention):
+    """Llama's attention projections (q/k/v biases if `qkv_bias`) with the layer's variant."""
+
+    def __init__(self, config: LongCtxConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.settings = config.longctx
+        self.kind = layer_kind(self.settings, layer_idx)
+        bias = self.settings.get("qkv_bias", False)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if bias:
+            self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=True)
+            self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=True)
+            self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=True)
+        self.gate_proj = (nn.Linear(config.hidden_size, heads, bias=bias)
+                          if self.settings.get("head_wise_attn_gate") else None)
+        # DCA rotates to positions 0..chunk_size only: its own table, the model's RoPE scaling
+        self.rotary = LlamaRotaryEmbedding(config) if self.kind == "dca" else None
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _dca_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [chunk_size + 1, d] in float32 (attention factor included), made once."""
+        if device not in self._tables:
+            table = torch.arange(self.settings["dca_chunk_size"] + 1, device=device)[None]
+            dummy = torch.zeros((), device=device)  # float32: the tables' dtype
+            self._tables[device] = tuple(t[0] for t in self.rotary(dummy, table))
+        return self._tables[device]
+
+    def forward(self, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None,
+                **kwargs) -> tuple[torch.Tensor, None]:
+        # transformers 5 passes `cache`; earlier releases `past_key_values` / `past_key_value`
+        cache = next((c for c in (cache, past_key_values, kwargs.get("past_key_value"))
+                      if c is not None), None)
+        b, s, _ = hidden_states.shape
+        shape = (b, s, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [b, hq, s, d]
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [b, hk, s, d]
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if self.kind == "dca":
+            chunk, local = self.settings["dca_chunk_size"], self.settings["dca_local_size"]
+            cos, sin = self._dca_tables(q.device)
+            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            r, _, _ = dca_positions(torch.arange(past, past + s, device=q.device), chunk, local)
+            k = rotate(k, cos[r], sin[r])
+        elif self.kind != "global":
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if self.kind == "dca":
+            out = dca_attention(q, k, v, chunk_size=chunk, local_size=local, cos=cos, sin=sin,
+                                scale=self.scaling)
+        else:
+            out = causal_attention(q, k, v, scale=self.scaling, chunk_size=self.settings.get(
+                "chunk_size") if self.kind == "chunked" else None)
+        out = out.transpose(1, 2)  # [b, s, hq, d]
+        if self.gate_proj is not None:
+            gate = torch.sigmoid(self.gate_proj(hidden_states).float())  # [b, s, hq]
+            out = (out * gate[..., None]).to(out.dtype)
+        return self.o_proj(out.reshape(b, s, -1)), None
+
+
+class LongCtxModel(LlamaModel):
+    config_class = LongCtxConfig
+
+    def __init__(self, config: LongCtxConfig) -> None:
+        super().__init__(config)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn = LongCtxAttention(config, i)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(
+                attention_mask.all()):
+            raise ValueError("longctx models take unpadded batches (attention_mask all ones): "
+                             "DCA and chunked positions count from each row's first token")
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+class LongCtxForCausalLM(LlamaForCausalLM):
+    config_class = LongCtxConfig
+
+    def __init__(self, config: LongCtxConfig) -> None:
+        super().__init__(config)
+        self.model = LongCtxModel(config)
+        self.post_init()
+
+
+class LongCtxQwen2ForCausalLM(LongCtxForCausalLM):
+    """The model of a Qwen2-typed DCA export (configuration_longctx.LongCtxQwen2Config)."""
+
+    config_class = LongCtxQwen2Config

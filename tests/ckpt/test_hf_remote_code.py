@@ -1,0 +1,156 @@
+"""Exports that run as trained: DCA, chunked and head-gated models in transformers (remote code)
+against the trainer's own logits, cached generation against recomputation, the export -> import
+round trip, and loading without a warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ckpt.hf_export import export_hf
+from ckpt.hf_import import import_hf
+from ckpt.paths import resolve_checkpoint
+from ckpt.reader import Checkpoint
+from tests.ckpt import hf_models
+from tests.ckpt.longctx_models import SEQ, VARIANTS, VOCAB, trainer_logits, write_variant
+from tests.ckpt.test_hf_export import tensors
+
+hf_imported = hf_models.hf_imported  # the shared fixture
+TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+_EXPORTED: dict[str, tuple[Path, Path]] = {}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory):
+    """`get(name)` -> (checkpoints root, export) of VARIANTS[name], made once per module."""
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in _EXPORTED:
+            d = tmp_path_factory.mktemp(name)
+            export_hf(write_variant(d / "ckpt", name), d / "hf")
+            _EXPORTED[name] = d / "ckpt", d / "hf"
+        return _EXPORTED[name]
+
+    return get
+
+
+def load(directory: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exported_model_computes_the_trainers_logits(exported, name: str) -> None:
+    root, hf = exported(name)
+    ours = trainer_logits(root, TOKENS)
+    with torch.no_grad():
+        theirs = load(hf)(TOKENS).logits
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= 1e-4, diff
+    _, attention = VARIANTS[name]
+    if attention.kind != "standard":  # the test can fail: standard attention is far off
+        standard = trainer_logits(root, TOKENS, replace(attention, kind="standard"))
+        assert (standard - theirs).abs().max().item() > 0.1
+
+
+def _recomputed_greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding by a forward of the whole prefix per token (no cache)."""
+    seq = prompt
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(seq, use_cache=False).logits[:, -1]
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq[:, prompt.shape[1]:]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_generate_with_the_cache_is_greedy_recomputation(exported, name: str) -> None:
+    """64 new tokens after a 20-token prompt cross four chunk boundaries (16, 32, ...)."""
+    model = load(exported(name)[1])
+    prompt = TOKENS[:1, :20]
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                attention_mask=torch.ones_like(prompt))[:, 20:]
+    assert cached.shape[1] == 64
+    assert torch.equal(cached, _recomputed_greedy(model, prompt, 64))
+
+
+@pytest.mark.parametrize("name", ["dca-qwen2", "dca-yarn-gated", "chunked-llama3"])
+def test_export_import_round_trip_keeps_every_tensor_and_setting(exported, tmp_path: Path,
+                                                                 name: str) -> None:
+    root, hf = exported(name)
+    import_hf(hf, tmp_path / "ckpt")
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    first, second = tensors(hf), tensors(tmp_path / "hf")
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    assert json.loads((hf / "config.json").read_text()) == \
+        json.loads((tmp_path / "hf" / "config.json").read_text())
+    model, attention = VARIANTS[name]
+    saved = Checkpoint(resolve_checkpoint(tmp_path / "ckpt")).config
+    assert dict(saved.attention) == asdict(attention)
+    assert {k: v for k, v in saved.model.items() if k.startswith("rope_") or k == "qkv_bias"} \
+        == {k: v for k, v in asdict(model).items() if k.startswith("rope_") or k == "qkv_bias"}
+
+
+def test_sglang_reads_dual_chunk_attention_from_a_qwen2_dca_export(exported) -> None:
+    """sglang serves DCA for Qwen2 configs with `dual_chunk_attention_config`; its rotary uses
+    min(r + L, C) and min(2L - 1, C) as ours, and original_max_position_embeddings > 0 would turn
+    on a length-dependent scaling the trainer did not use."""
+    cfg = json.loads((exported("dca-qwen2")[1] / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model_type"] == "qwen2"
+    assert cfg["dual_chunk_attention_config"] == {
+        "chunk_size": 16, "local_size": 4, "original_max_position_embeddings": 0}
+    for name in ("dca-yarn-gated", "chunked-llama3", "gated-qwen2"):  # nothing sglang can run
+        cfg = json.loads((exported(name)[1] / "config.json").read_text())
+        assert cfg["model_type"] == "longctx" and "dual_chunk_attention_config" not in cfg
+
+
+@contextmanager
+def no_warnings() -> Iterator[list[logging.LogRecord]]:
+    """Python warnings raise; transformers' logger warnings are collected (the caller asserts
+    there are none)."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("transformers")
+    handler = Collect(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_loading_an_export_emits_no_warning(exported, hf_imported, tmp_path: Path) -> None:
+    """Remote-code exports, a llama3-rope Llama (only its rope keys) and a Mistral (exported as
+    Mistral) load without a single warning."""
+    _, llama = hf_imported("llama", False)
+    _, mistral = hf_imported("mistral", True)
+    export_hf(llama, tmp_path / "llama")
+    export_hf(mistral, tmp_path / "mistral")
+    assert set(json.loads((tmp_path / "llama" / "config.json").read_text())["rope_scaling"]) \
+        == {"rope_type", "factor", "original_max_position_embeddings", "low_freq_factor",
+            "high_freq_factor"}
+    directories = [exported(name)[1] for name in VARIANTS] + [tmp_path / "llama",
+                                                               tmp_path / "mistral"]
+    for directory in directories:
+        with no_warnings() as records:
+            model = load(directory)
+        assert not records, (directory.name, [r.getMessage() for r in records])
+    assert type(model).__name__ == "MistralForCausalLM"

@@ -1,0 +1,75 @@
+"""`python -m trainer.generate`: cached decoding against recomputation for every attention kind,
+sampling, and the refusal of a prompt longer than the model attends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from tests.ckpt.longctx_models import CHUNK, VARIANTS, write_variant
+from trainer.config import CONF_DIR
+from trainer.generate import generate
+
+PROMPT = "The grass is green. "  # 20 byte tokens: 64 more cross four chunk boundaries
+TRAINED = 128  # the checkpoints' own length: prompt + 64 fits for standard and chunked layers
+_WRITTEN: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    def get(name: str) -> Path:
+        if name not in _WRITTEN:
+            _WRITTEN[name] = write_variant(tmp_path_factory.mktemp(name) / "ckpt", name,
+                                           seq_length=TRAINED)
+        return _WRITTEN[name]
+
+    return get
+
+
+def config(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("generate", overrides=overrides)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cached_greedy_decoding_is_recomputation(checkpoint, name: str) -> None:
+    args = [f"checkpoint.load={checkpoint(name)}", f"prompt={PROMPT!r}", "max_new_tokens=64",
+            "stop_at_eod=false", "trainer.device=cpu"]
+    shown: list[str] = []
+    cached = generate(config(args), emit=shown.append)
+    assert len(cached) == 64 and len(PROMPT) + 64 > 4 * CHUNK
+    assert cached == generate(config(args + ["kv_cache=false"]))
+    assert len(shown) > 1  # printed as it came, not at the end
+
+
+def test_sampling_is_seeded_and_cached_equals_recomputed(checkpoint) -> None:
+    args = [f"checkpoint.load={checkpoint('dca-yarn-gated')}", f"prompt={PROMPT!r}",
+            "max_new_tokens=40", "stop_at_eod=false", "temperature=1.5", "top_p=0.9",
+            "trainer.device=cpu"]
+    first = generate(config(args + ["seed=1"]))
+    assert first == generate(config(args + ["seed=1", "kv_cache=false"]))
+    assert first != generate(config(args + ["seed=2"]))
+    assert first != generate(config(args[:-3] + ["trainer.device=cpu"]))  # not greedy
+
+
+def test_the_command_prints_text_and_refuses_a_prompt_too_long(checkpoint, tmp_path: Path) -> None:
+    ckpt = checkpoint("chunked-llama3")
+    ok = subprocess.run([sys.executable, "-m", "trainer.generate", f"checkpoint.load={ckpt}",
+                         "prompt=Hello", "max_new_tokens=8", "trainer.device=cpu"],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "tokens in" in ok.stderr and not list(tmp_path.iterdir())  # writes nothing
+    (tmp_path / "prompt.txt").write_text("x" * 100)
+    refused = subprocess.run([sys.executable, "-m", "trainer.generate", f"checkpoint.load={ckpt}",
+                              f"prompt_file={tmp_path / 'prompt.txt'}", "max_new_tokens=29"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: the prompt (100 tokens) plus max_new_tokens (29) is 129 tokens; this chunked-"
+        "attention model attends 128: shorten the prompt or lower max_new_tokens (or run it "
+        "with +attention=dca)"]
