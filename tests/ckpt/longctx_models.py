@@ -7,14 +7,15 @@ from pathlib import Path
 
 import torch
 
-from ckpt.hf_import import run_config
 from ckpt.load import load_model_weights
+from ckpt.meta import CheckpointMeta
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from ckpt.save import write_checkpoint
 from models.gpt import build_model
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from parallel.distributed import initialize_parallel, shutdown
+from parallel.placement import Layout
 
 VOCAB = 300
 CHUNK = 16  # every chunk size below: tests run at 4x it
@@ -49,10 +50,11 @@ def write_variant(root: Path, name: str, seed: int = 0, seq_length: int = SEQ,
     try:
         built = build_model(model, attention, ParallelConfig(), vocab_size=VOCAB,
                             max_sequence_length=seq_length)
-        extra = {"step": 0, "consumed_samples": 0, "tp": 1, "model_only": True,
-                 "vocab_size": VOCAB,
-                 "config": run_config(model, 1, seq_length, "byte", attention)}
-        write_checkpoint(root, 0, {"model": built.gpt.sharded_state_dict(), "extra": extra})
+        meta = CheckpointMeta(model=model, attention=attention, layout=Layout(),
+                              seq_length=seq_length, vocab_size=VOCAB, tokenizer="byte",
+                              model_only=True)
+        write_checkpoint(root, 0, {"model": built.gpt.sharded_state_dict(),
+                                   "extra": meta.to_saved()})
     finally:
         shutdown()
     return root
@@ -63,7 +65,7 @@ def trainer_logits(root: Path, tokens: torch.Tensor,
     """The trainer's logits for `tokens` [b, s]: the checkpoint's model with its own attention
     (or `attention`)."""
     ckpt = resolve_checkpoint(root)
-    saved = Checkpoint(ckpt).config
+    saved = Checkpoint(ckpt).meta
     initialize_parallel(torch.device("cpu"), tp=1, seed=0)
     try:
         built = build_model(saved.model, attention or saved.attention, ParallelConfig(),

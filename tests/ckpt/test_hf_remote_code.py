@@ -97,9 +97,10 @@ def test_export_import_round_trip_keeps_every_tensor_and_setting(exported, tmp_p
     assert json.loads((hf / "config.json").read_text()) == \
         json.loads((tmp_path / "hf" / "config.json").read_text())
     model, attention = VARIANTS[name]
-    saved = Checkpoint(resolve_checkpoint(tmp_path / "ckpt")).config
-    assert dict(saved.attention) == asdict(attention)
-    assert {k: v for k, v in saved.model.items() if k.startswith("rope_") or k == "qkv_bias"} \
+    saved = Checkpoint(resolve_checkpoint(tmp_path / "ckpt")).meta
+    assert saved.attention == attention
+    assert {k: v for k, v in asdict(saved.model).items()
+            if k.startswith("rope_") or k == "qkv_bias"} \
         == {k: v for k, v in asdict(model).items() if k.startswith("rope_") or k == "qkv_bias"}
 
 
