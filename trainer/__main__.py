@@ -72,7 +72,8 @@ def main() -> None:
         _agree_on_run_dir()
     else:
         os.environ["LONGCTX_RUN_STAMP"] = _run_stamp()
-    sys.argv.append("+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir")
+    # first, not last: after `--cfg job` argparse would not take it as an override
+    sys.argv.insert(1, "+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir")
     run()
 
 

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from trainer.defaults import register_resolvers
 from trainer.errors import UserError
 
 # The installed `conf/` directory, found beside this package (both are top-level packages of the
@@ -53,8 +54,9 @@ class TrainerConfig:
     global_batch_size: int = 8
     seq_length: int = 256
     lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 5
+    min_lr: float | None = None  # the decay's floor; None: lr / 10 (on resume: the saved one)
+    # linear warm-up steps; None: 5, fewer for a run of under 10 steps (max_steps // 2)
+    warmup_steps: int | None = None
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -146,6 +148,7 @@ class TrainConfig:
 
 def register_configs() -> None:
     """Register the schema; `conf/config.yaml` names `base_config` first in its defaults."""
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=TrainConfig)
 

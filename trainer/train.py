@@ -28,6 +28,7 @@ from parallel.distributed import (
 from parallel.process_group import resolve_device
 from trainer.config import check_known_keys
 from trainer.data import DataIterator, build_datasets, validation_batches
+from trainer.defaults import degenerate_attention, resolve_schedule, saved_config
 from trainer.init_from import adopt_saved_model
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
@@ -79,6 +80,9 @@ class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         check_known_keys(cfg)
         validate_train(cfg)  # every setting checkable without data or model, first
+        resolve_schedule(cfg, saved_config(cfg.checkpoint.load))  # unset min_lr, warm-up
+        if note := degenerate_attention(cfg.attention, cfg.trainer.seq_length):
+            log.warning(note)
         # A checkpoint brings its model config; a model-only one is a fine-tune start, any
         # other a resume whose settings are checked against the saved ones, up front.
         start = adopt_saved_model(cfg) if cfg.checkpoint.load else None

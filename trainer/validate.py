@@ -33,9 +33,15 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     _at_least(t, "save_interval", 0, "(0: no periodic saves)")
     _at_least(t, "eval_interval", 0, "(0: no evaluation)")
     _at_least(t, "eval_batches", 1)
-    if not 0 <= t.warmup_steps < t.max_steps:
+    if t.warmup_steps is not None and not 0 <= t.warmup_steps < t.max_steps:
         raise UserError(f"trainer.warmup_steps ({t.warmup_steps}) must be in [0, "
-                        f"trainer.max_steps ({t.max_steps})); lower it or raise max_steps")
+                        f"trainer.max_steps ({t.max_steps})); lower it, raise max_steps, or "
+                        "leave it unset (5, fewer for a short run)")
+    if not t.lr > 0:
+        raise UserError(f"trainer.lr={t.lr} must be > 0")
+    if t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        raise UserError(f"trainer.min_lr ({t.min_lr:g}) must be in [0, trainer.lr ({t.lr:g})]: "
+                        "the decay ends at it; lower it, or leave it unset (lr / 10)")
     if t.precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"trainer.precision={t.precision!r}: choose auto, bf16 or fp32")
     device = _device_type(t.device)

@@ -73,8 +73,8 @@ def test_data_and_attention_changes_warn_once_each(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.WARNING):
         warnings = check_settings(saved, cfg, 60, "ckpt")
     changed = sorted(w.split()[3].split("=")[0] for w in warnings)
-    assert changed == ["attention.kind", "data.valid_fraction", "trainer.global_batch_size",
-                       "trainer.seq_length"]
+    assert changed == ["attention.dca_chunk_size", "attention.dca_local_size", "attention.kind",
+                       "data.valid_fraction", "trainer.global_batch_size", "trainer.seq_length"]
 
 
 def test_another_tokenizer_is_refused(tmp_path: Path) -> None:
