@@ -116,7 +116,8 @@ class LoggerConfig:
 class EvalConfig:
     """`python -m trainer.eval`: passkey retrieval and perplexity by context length."""
 
-    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    # context lengths; None: the trained length T, 2T and 4T (T: trained_length or the checkpoint's)
+    lengths: list[int] | None = None
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 10  # per (length, depth) cell
     passkey_digits: int = 5

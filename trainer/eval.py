@@ -150,11 +150,14 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
     from ckpt.load import saved_extra
     from ckpt.paths import resolve_checkpoint
+    from ckpt.reader import Checkpoint
     from models.attention.dca_scaling import DCAScaling, describe
     from parallel.distributed import initialize_parallel, shutdown
     from parallel.process_group import resolve_device
     from trainer.data import build_datasets
+    from trainer.eval_fit import fitting_lengths
     from trainer.evaluate import attention_by_distance, passkey_accuracy, perplexity_by_length
+    from trainer.init_from import real_vocab
     from trainer.retrieval import multikey_accuracy
 
     check_known_keys(cfg)
@@ -163,6 +166,10 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     extra = saved_extra(ckpt)
     saved = OmegaConf.create(yaml.safe_load(extra["config"]))
     trained_length = cfg.eval.trained_length or saved.trainer.seq_length
+    if cfg.eval.lengths is None:
+        cfg.eval.lengths = [trained_length, 2 * trained_length, 4 * trained_length]
+    # the DCA/chunked sizes this command leaves unset follow the trained length, as in training
+    cfg.trainer.seq_length = trained_length
     saved.model = with_rope_overrides(cfg.model, saved.model, typed_model_keys(_overrides()),
                                       trained_length, max(cfg.eval.lengths))
     check_model(saved.model, cfg.attention, cfg.parallel)
@@ -186,17 +193,21 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         _, valid, _ = build_datasets(saved.data.name, saved.data.path, saved.data.tokenizer,
                                      max(e.lengths), saved.data.valid_fraction, 0,
                                      saved.data.max_documents)
-        cells = passkey_accuracy(model, tokenizer, list(e.lengths), list(e.depths),
+        fit = fitting_lengths(tokenizer, valid.stream, e)
+        cells = passkey_accuracy(model, tokenizer, fit["passkey"], list(e.depths),
                                  e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
-        multikey = multikey_accuracy(model, tokenizer, valid.stream, list(e.lengths),
+        multikey = multikey_accuracy(model, tokenizer, valid.stream, fit["multikey"],
                                      list(e.depths), e.multikey_trials, e.multikey_keys,
                                      e.passkey_digits, e.batch_size, e.seed, device) \
             if e.multikey_trials > 0 else []
-        points = perplexity_by_length(model, valid.stream, list(e.lengths), e.perplexity_windows,
-                                      e.batch_size, tokenizer.vocab_size, device,
-                                      trained_length)
-        attention = attention_by_distance(model, valid.stream, list(e.lengths),
-                                          e.attention_queries, tokenizer.vocab_size, device,
+        # over the model's whole vocabulary (its config's, padding rows excluded), as
+        # transformers computes a loss: the tokenizer may name fewer ids than the model has
+        vocab = real_vocab(Checkpoint(ckpt))
+        points = perplexity_by_length(model, valid.stream, fit["perplexity"],
+                                      e.perplexity_windows, e.batch_size, vocab, device,
+                                      trained_length) if fit["perplexity"] else []
+        attention = attention_by_distance(model, valid.stream, fit["perplexity"],
+                                          e.attention_queries, vocab, device,
                                           trained_length) if e.attention_queries > 0 else []
     finally:
         shutdown()
@@ -214,20 +225,21 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     if topo.is_main:
         (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
         plots = _plots(run_dir, label, cells, points)
-        for n in sorted({c.length for c in cells}):
+        for n in sorted(e.lengths):
             row = [c for c in cells if c.length == n]
-            ppl = next(p.perplexity for p in points if p.length == n)
-            log.info("length %6d: passkey %.2f (%s by depth), perplexity %.3f", n,
-                     sum(c.accuracy for c in row) / len(row),
-                     " ".join(f"{c.accuracy:.1f}" for c in row), ppl)
+            if row:
+                log.info("length %6d: passkey %.2f (%s by depth)", n,
+                         sum(c.accuracy for c in row) / len(row),
+                         " ".join(f"{c.accuracy:.1f}" for c in row))
             mk = [c for c in multikey if c.length == n]
             if mk:
                 log.info("length %6d: multi-key (%d keys) %d/%d correct, %d distractor", n,
                          mk[0].keys, sum(c.correct for c in mk), sum(c.trials for c in mk),
                          sum(c.distractor for c in mk))
-            point = next(p for p in points if p.length == n)
-            log.info("length %6d: perplexity by position %s", n, ", ".join(
-                f"[{b.start},{b.end}) {b.perplexity:.3f}" for b in point.buckets))
+            for point in (p for p in points if p.length == n):
+                log.info("length %6d: perplexity %.3f; by position %s", n, point.perplexity,
+                         ", ".join(f"[{b.start},{b.end}) {b.perplexity:.3f}"
+                                   for b in point.buckets))
             for a in (a for a in attention if a.length == n):
                 mean = [sum(m[i] for m in a.mass) / len(a.mass) for i in range(len(a.edges))]
                 log.info("length %6d: attention entropy by layer %s; mass by distance %s", n,

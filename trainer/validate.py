@@ -75,7 +75,7 @@ def validate_eval(cfg: DictConfig) -> None:
                         f"and parallel.tp=1 (each TP rank holds only some heads; got tp="
                         f"{cfg.parallel.tp})")
     _check_parallel(cfg.parallel, 2, _device_type(cfg.trainer.device), None)
-    if not cfg.eval.lengths or min(cfg.eval.lengths) < 1:
+    if cfg.eval.lengths is not None and (not cfg.eval.lengths or min(cfg.eval.lengths) < 1):
         raise UserError(f"eval.lengths={list(cfg.eval.lengths)}: give positive context lengths")
     check_checkpoint_load(cfg.checkpoint.load)
 
