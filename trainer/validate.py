@@ -21,9 +21,11 @@ from trainer.errors import UserError
 _KINDS = ("auto", "cpu", "cuda")
 
 
-def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Everything about a training run that can be checked before the data and model exist."""
-    check_attention_selection(_hydra_overrides())
+def validate_train(cfg: DictConfig, world_size: int | None = None,
+                   overrides: list[str] | None = None) -> None:
+    """Everything about a training run that can be checked before the data and model exist
+    (`overrides`: the command line's, when not running under Hydra)."""
+    check_attention_selection(_hydra_overrides() if overrides is None else overrides)
     t = cfg.trainer
     _at_least(t, "max_steps", 1)
     _at_least(t, "micro_batch_size", 1)
