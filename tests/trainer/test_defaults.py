@@ -75,6 +75,7 @@ def test_the_default_dca_job_spans_several_chunks() -> None:
     assert (long.attention.dca_chunk_size, long.attention.dca_local_size) == (8192, 1024)
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_dca_trains_another_model_than_standard(run_training) -> None:
     common = ["trainer.max_steps=2", "trainer.save_interval=0"]
     standard = run_training(common, name="standard")

@@ -20,6 +20,7 @@ def saved_at_2(run_training, tmp_path: Path) -> Path:
     return tmp_path / "short" / "checkpoints" / "iter_0000002"
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_a_longer_max_steps_extends_the_schedule(run_training, saved_at_2: Path) -> None:
     # The reference: an uninterrupted 8-step run's lr at steps 3..8.
     full = run_training(["trainer.max_steps=8", "checkpoint.save=false"], name="full")
