@@ -13,3 +13,8 @@ import warnings
 # worker processes, which import this package first) say nothing useful with them.
 warnings.filterwarnings("ignore", message=".*(Apex is not installed|Transformer Engine and Apex)")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
+# torch deprecations inside megatron's torch_dist loader (its `load_state_dict` call and
+# ShardedTensor), three per load on every rank: nothing a user of these checkpoints can change.
+warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                        "ShardedTensor", category=FutureWarning)

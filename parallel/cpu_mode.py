@@ -162,6 +162,10 @@ def enable_cpu_mode() -> bool:
     for module in (mcore_utils, optimizer, clip_grads, grad_scaler, schedules):
         module.torch = _CudaToCpuTorch("torch")  # type: ignore[attr-defined]
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+    # Its advice to set CUDA_DEVICE_MAX_CONNECTIONS (TP > 1) concerns CUDA streams: none here.
+    import megatron.core.tensor_parallel.layers as tp_layers
+
+    tp_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
     rotary.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     p2p._batched_p2p_ops = _tagged_p2p_ops
     optimizer_class = distrib_optimizer.DistributedOptimizer

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from parallel.placement import resolve_device
 from parallel.process_group import join_process_group
 from trainer.config import CONF_DIR, register_configs
-from trainer.entry import check_overrides, exits_on_user_error
+from trainer.entry import check_early, check_overrides, exits_on_user_error
 
 register_configs()
 # Long-context steps allocate a few huge activation blocks; expandable segments keep the caching
@@ -67,13 +67,25 @@ def run(cfg: DictConfig) -> None:
         sys.exit(stopped.exit_status)
 
 
+def _validate(cfg: DictConfig, argv: list[str]) -> None:
+    from trainer.config import check_known_keys
+    from trainer.validate import validate_train
+
+    check_known_keys(cfg)
+    validate_train(cfg, int(os.environ.get("WORLD_SIZE", "1")), overrides=argv)
+
+
 def main() -> None:
-    check_overrides(sys.argv[1:])
+    argv = sys.argv[1:]
+    cfg = check_overrides(argv)
+    if cfg is not None:  # the settings' errors before the process group and megatron's imports
+        check_early(lambda: _validate(cfg, argv))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _agree_on_run_dir()
     else:
         os.environ["LONGCTX_RUN_STAMP"] = _run_stamp()
-    sys.argv.append("+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir")
+    # first, not last: after `--cfg job` argparse would not take it as an override
+    sys.argv.insert(1, "+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir")
     run()
 
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from trainer.defaults import register_resolvers
 from trainer.errors import UserError
 
 # The installed `conf/` directory, found beside this package (both are top-level packages of the
@@ -54,8 +55,9 @@ class TrainerConfig:
     global_batch_size: int = 8
     seq_length: int = 256
     lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 5
+    min_lr: float | None = None  # the decay's floor; None: lr / 10 (on resume: the saved one)
+    # linear warm-up steps; None: 5, fewer for a run of under 10 steps (max_steps // 2)
+    warmup_steps: int | None = None
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -115,7 +117,8 @@ class LoggerConfig:
 class EvalConfig:
     """`python -m trainer.eval`: passkey retrieval and perplexity by context length."""
 
-    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    # context lengths; None: the trained length T, 2T and 4T (T: trained_length or the checkpoint's)
+    lengths: list[int] | None = None
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 10  # per (length, depth) cell
     passkey_digits: int = 5
@@ -160,6 +163,7 @@ def build_options(trainer: DictConfig, *, bf16: bool, on_gpu: bool) -> BuildOpti
 
 def register_configs() -> None:
     """Register the schema; `conf/config.yaml` names `base_config` first in its defaults."""
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=TrainConfig)
 

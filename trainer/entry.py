@@ -8,10 +8,14 @@ rank, like `python -m ckpt`; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from omegaconf import DictConfig
 
 from ckpt.reader import CheckpointError
 from parallel.placement import PlacementError
@@ -36,19 +40,27 @@ def debug_requested() -> bool:
 
 
 def report_user_error(err: BaseException) -> None:
-    """Print `error: <message>` once (rank 0 of a torchrun job, or the single process)."""
+    """Print `error: <message>` once (rank 0 of a torchrun job, or the single process); under
+    torchrun also hand it to torchrun's error file, so that its failure report names it as the
+    root cause instead of "To enable traceback see: ..."."""
     if os.environ.get("RANK", "0") == "0":
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"error: {message}", file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            with open(error_file, "w") as f:  # torch.distributed.elastic's reply-file format
+                json.dump({"message": f"error: {message}", "timestamp": str(int(time.time()))},
+                          f)
 
 
-def check_overrides(argv: list[str], config_name: str = "config") -> None:
+def check_overrides(argv: list[str], config_name: str = "config") -> DictConfig | None:
     """Compose the config from the command line's overrides before Hydra runs the job, so that a
     misspelt key, a wrong type or an unknown config group ends as one `error:` line with exit
     status 2 instead of Hydra's multi-line report with status 1. Command lines with Hydra flags
-    (`-m`, `--help`, `--cfg`, ...) go to Hydra unchecked."""
+    (`-m`, `--help`, `--cfg`, ...) go to Hydra unchecked. Returns the composed config (None
+    when unchecked)."""
     if any(arg.startswith("-") for arg in argv) or debug_requested():
-        return
+        return None
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -57,10 +69,23 @@ def check_overrides(argv: list[str], config_name: str = "config") -> None:
 
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            compose(config_name, overrides=argv)
+            return compose(config_name, overrides=argv)
     except (HydraException, OmegaConfBaseException) as err:
         report_user_error(UserError(f"{_hydra_message(err)} (python -m trainer --help lists "
                                     "the config groups)"))
+        sys.exit(2)
+
+
+def check_early(check: Callable[[], object]) -> None:
+    """Run `check` before the process group and the heavy imports: a user error ends the process
+    as `exits_on_user_error` does, seconds after start (every rank of a torchrun job reaches the
+    same verdict from the same command line; only rank 0 prints it)."""
+    if debug_requested():
+        return
+    try:
+        check()
+    except USER_ERRORS as err:
+        report_user_error(err)
         sys.exit(2)
 
 

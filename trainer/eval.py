@@ -163,6 +163,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from models.attention.registry import dca_scaling
     from parallel.distributed import initialize_parallel, shutdown
     from trainer.data.datasets import build_datasets
+    from trainer.eval_fit import fitting_lengths
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.evals.retrieval import multikey_accuracy
     from trainer.init_from import open_load
@@ -172,6 +173,10 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     ckpt = open_load(cfg.checkpoint.load)
     meta = ckpt.meta
     trained_length = cfg.eval.trained_length or meta.seq_length
+    if cfg.eval.lengths is None:
+        cfg.eval.lengths = [trained_length, 2 * trained_length, 4 * trained_length]
+    # the DCA/chunked sizes this command leaves unset follow the trained length, as in training
+    cfg.trainer.seq_length = trained_length
     typed = typed_model_keys(command_line_overrides())
     model_cfg = with_rope_overrides(cfg.model, literal(asdict(meta.model)), typed,
                                     trained_length, max(cfg.eval.lengths))
@@ -193,17 +198,21 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         e = cfg.eval
         _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, max(e.lengths),
                                      data.valid_fraction, 0, data.max_documents)
-        cells = passkey_accuracy(model, tokenizer, list(e.lengths), list(e.depths),
+        fit = fitting_lengths(tokenizer, valid.stream, e)
+        cells = passkey_accuracy(model, tokenizer, fit["passkey"], list(e.depths),
                                  e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
-        multikey = multikey_accuracy(model, tokenizer, valid.stream, list(e.lengths),
+        multikey = multikey_accuracy(model, tokenizer, valid.stream, fit["multikey"],
                                      list(e.depths), e.multikey_trials, e.multikey_keys,
                                      e.passkey_digits, e.batch_size, e.seed, device) \
             if e.multikey_trials > 0 else []
-        points = perplexity_by_length(model, valid.stream, list(e.lengths), e.perplexity_windows,
-                                      e.batch_size, tokenizer.vocab_size, device,
-                                      trained_length)
-        attention = attention_by_distance(model, valid.stream, list(e.lengths),
-                                          e.attention_queries, tokenizer.vocab_size, device,
+        # over the model's whole vocabulary (its config's, padding rows excluded), as
+        # transformers computes a loss: the tokenizer may name fewer ids than the model has
+        vocab = meta.vocab_size
+        points = perplexity_by_length(model, valid.stream, fit["perplexity"],
+                                      e.perplexity_windows, e.batch_size, vocab, device,
+                                      trained_length) if fit["perplexity"] else []
+        attention = attention_by_distance(model, valid.stream, fit["perplexity"],
+                                          e.attention_queries, vocab, device,
                                           trained_length) if e.attention_queries > 0 else []
     finally:
         shutdown()
@@ -222,20 +231,21 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         _warn_non_finite(points)
         (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
         plots = _plots(run_dir, label, cells, points)
-        for n in sorted({c.length for c in cells}):
+        for n in sorted(e.lengths):
             row = [c for c in cells if c.length == n]
-            ppl = next(p.perplexity for p in points if p.length == n)
-            log.info("length %6d: passkey %.2f (%s by depth), perplexity %.3f", n,
-                     sum(c.accuracy for c in row) / len(row),
-                     " ".join(f"{c.accuracy:.1f}" for c in row), ppl)
+            if row:
+                log.info("length %6d: passkey %.2f (%s by depth)", n,
+                         sum(c.accuracy for c in row) / len(row),
+                         " ".join(f"{c.accuracy:.1f}" for c in row))
             mk = [c for c in multikey if c.length == n]
             if mk:
                 log.info("length %6d: multi-key (%d keys) %d/%d correct, %d distractor", n,
                          mk[0].keys, sum(c.correct for c in mk), sum(c.trials for c in mk),
                          sum(c.distractor for c in mk))
-            point = next(p for p in points if p.length == n)
-            log.info("length %6d: perplexity by position %s", n, ", ".join(
-                f"[{b.start},{b.end}) {b.perplexity:.3f}" for b in point.buckets))
+            for point in (p for p in points if p.length == n):
+                log.info("length %6d: perplexity %.3f; by position %s", n, point.perplexity,
+                         ", ".join(f"[{b.start},{b.end}) {b.perplexity:.3f}"
+                                   for b in point.buckets))
             for a in (a for a in attention if a.length == n):
                 mean = [sum(m[i] for m in a.mass) / len(a.mass) for i in range(len(a.edges))]
                 log.info("length %6d: attention entropy by layer %s; mass by distance %s", n,

@@ -31,11 +31,12 @@ from parallel.distributed import (
 )
 from trainer.config import build_options, check_known_keys
 from trainer.data.datasets import DataIterator, build_datasets, validation_batches
+from trainer.defaults import degenerate_attention, resolve_schedule
 from trainer.evals.passkey import PasskeyMix
 from trainer.init_from import adopt_saved_model, open_load
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.resume import apply_optimizer_settings, check_resume
+from trainer.resume import apply_optimizer_settings, check_resume, saved_run_config
 from trainer.run_dir import (
     RunDirError,
     check_checkpoints,
@@ -70,6 +71,14 @@ def _memory_gb(device: torch.device) -> float:
     return peak
 
 
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    box = [value]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Trainer:
     """One training run; `run()` returns the final metrics row.
 
@@ -84,6 +93,12 @@ class Trainer:
         # fine-tune start, any other a resume whose settings are checked against the saved
         # ones, up front.
         source = open_load(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        resumed = source is not None and not source.meta.model_only \
+            and source.meta.run_config is not None
+        # unset min_lr and warm-up: a resume keeps the saved ones
+        resolve_schedule(cfg, saved_run_config(source.meta) if resumed else None)
+        if note := degenerate_attention(cfg.attention, cfg.trainer.seq_length):
+            log.warning(note)
         start = adopt_saved_model(cfg, source) if source else None
         resume_from = source if source and not start else None
         if resume_from:
@@ -106,6 +121,8 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
+        self.saved_path: Path | None = None  # ... and its directory
+        self.started = time.perf_counter()  # reset when the first step starts
         self.stop: StopOnSignal | None = None
         wandb_id = None
         if start:
@@ -120,6 +137,8 @@ class Trainer:
             config=OmegaConf.to_container(cfg, resolve=True)
             | {"attention_kernel": self.attention_kernel}, wandb_id=wandb_id,
         )
+        # every rank saves the same common state (megatron compares it across ranks)
+        self.wandb_id = _from_rank0(self.metrics.wandb_id if self.topo.is_main else None)
         self.data: Iterator[dict[str, torch.Tensor]] = DataIterator(
             self.train_ds, cfg.trainer.micro_batch_size, cfg.trainer.seed, self.consumed_samples,
             self.topo.dp_rank, self.topo.layout.dp, mix=self.passkey_mix,
@@ -230,14 +249,23 @@ class Trainer:
             layout=self.topo.layout, seq_length=cfg.trainer.seq_length,
             vocab_size=self.real_vocab, tokenizer=str(cfg.data.tokenizer), step=self.step,
             consumed_samples=self.consumed_samples, seed=cfg.trainer.seed,
-            wandb_id=self.metrics.wandb_id, hf_source=self.hf_source,
+            wandb_id=self.wandb_id, hf_source=self.hf_source,
             run_config=OmegaConf.to_yaml(cfg, resolve=True))
         t0 = time.perf_counter()
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, meta,
                                cfg.checkpoint.thread_count)
         log.info("saved checkpoint %s (%.1fs)", path, time.perf_counter() - t0)
-        self.saved_step = self.step
+        self.saved_step, self.saved_path = self.step, path
         return path
+
+    def summary(self, steps: int) -> str:
+        """The closing line: what the run did, where it left its last checkpoint, how to go on."""
+        done = f"done: {steps} steps in {duration(time.perf_counter() - self.started)}"
+        if self.saved_path is None:
+            return f"{done}; no checkpoint saved (checkpoint.save=false)"
+        root = checkpoints_root(self.cfg, self.run_dir)
+        return (f"{done}; last checkpoint {self.saved_path}; resume with "
+                f"checkpoint.load={root}")
 
     def _row(self, loss: float, grad_norm: float, seconds: float) -> dict[str, Any]:
         t = self.cfg.trainer
@@ -258,6 +286,7 @@ class Trainer:
         log.info("training steps %d..%d, outputs in %s", self.step + 1, t.max_steps, self.run_dir)
         self.stop = StopOnSignal()  # from here on a signal ends the run with a checkpoint
         row: dict[str, Any] = {}
+        first_step, self.started = self.step, time.perf_counter()
         while self.step < t.max_steps:
             if signum := self.stop.requested(self.device):
                 self._stop(signum)
@@ -273,7 +302,9 @@ class Trainer:
                 row["val_loss"] = self.validation_loss()
             if self.step % t.log_interval == 0 or "val_loss" in row:
                 self.metrics.log(row)
-                log.info(_format(row))
+                elapsed = time.perf_counter() - self.started
+                eta = elapsed / (self.step - first_step) * (t.max_steps - self.step)
+                log.info(_format(row, t.max_steps, elapsed, eta, self.device.type == "cuda"))
             if self.cfg.checkpoint.save and (
                     self.step == t.max_steps
                     or (t.save_interval and self.step % t.save_interval == 0)):
@@ -299,15 +330,30 @@ class Trainer:
         shutdown()
 
 
-def _format(row: dict[str, Any]) -> str:
-    parts = [f"step {row['step']:>5}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
-             f"gnorm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s",
-             f"{row['tflops_per_gpu']:.1f} TFLOP/s"]
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _format(row: dict[str, Any], max_steps: int, elapsed: float, eta: float,
+            on_gpu: bool) -> str:
+    width = len(str(max_steps))
+    parts = [f"step {row['step']:>{width}}/{max_steps}", f"loss {row['loss']:.4f}",
+             f"lr {row['lr']:.2e}", f"gnorm {row['grad_norm']:.3f}",
+             f"{row['tokens_per_s']:,.0f} tok/s"]
+    if on_gpu:  # a CPU's rate is ~0.0 at this precision
+        parts.append(f"{row['tflops_per_gpu']:.1f} TFLOP/s")
     if "mfu" in row:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     parts.append(f"mem {row['memory_gb']:.2f} GB")
     if "val_loss" in row:
         parts.append(f"val {row['val_loss']:.4f}")
+    parts.append(f"{duration(elapsed)} elapsed, ETA {duration(eta)}")
     return " | ".join(parts)
 
 
@@ -318,7 +364,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     except BaseException:
         shutdown()  # a refused or failed setup leaves no process groups behind
         raise
+    first_step = trainer.step
     try:
-        return trainer.run()
+        row = trainer.run()
     finally:
         trainer.close()
+    log.info(trainer.summary(trainer.step - first_step))  # after wandb's closing summary
+    return row

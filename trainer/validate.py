@@ -23,9 +23,11 @@ from trainer.config import CONF_DIR, build_options, command_line_overrides
 from trainer.errors import UserError
 
 
-def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Everything about a training run that can be checked before the data and model exist."""
-    check_attention_selection(command_line_overrides())
+def validate_train(cfg: DictConfig, world_size: int | None = None,
+                   overrides: list[str] | None = None) -> None:
+    """Everything about a training run that can be checked before the data and model exist
+    (`overrides`: the command line's, when not running under Hydra)."""
+    check_attention_selection(command_line_overrides() if overrides is None else overrides)
     t = cfg.trainer
     _at_least(t, "max_steps", 1)
     _at_least(t, "micro_batch_size", 1)
@@ -35,14 +37,18 @@ def validate_train(cfg: DictConfig, world_size: int | None = None) -> None:
     _at_least(t, "save_interval", 0, "(0: no periodic saves)")
     _at_least(t, "eval_interval", 0, "(0: no evaluation)")
     _at_least(t, "eval_batches", 1)
-    if not 0 <= t.warmup_steps < t.max_steps:
+    if t.warmup_steps is not None and not 0 <= t.warmup_steps < t.max_steps:
         raise UserError(f"trainer.warmup_steps ({t.warmup_steps}) must be in [0, "
-                        f"trainer.max_steps ({t.max_steps})); lower it or raise max_steps")
+                        f"trainer.max_steps ({t.max_steps})); lower it, raise max_steps, or "
+                        "leave it unset (5, fewer for a short run)")
+    _check_optimizer(t)
+    if t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        raise UserError(f"trainer.min_lr ({t.min_lr:g}) must be in [0, trainer.lr ({t.lr:g})]: "
+                        "the decay ends at it; lower it, or leave it unset (lr / 10)")
     device, bf16 = placement(t.device, t.precision)
     _check_micro_batches(cfg, check_layout(cfg.parallel, cfg.model.num_layers, t.seq_length,
                                            world_size))
     _check_data(cfg.data)
-    _check_optimizer(t)
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
     check_kernel(cfg.attention.kernel, cuda=device.type == "cuda")
@@ -70,7 +76,7 @@ def validate_eval(cfg: DictConfig) -> None:
                         f"{cfg.parallel.tp})")
     placement(cfg.trainer.device, cfg.trainer.precision)
     check_layout(p, None, None, None)
-    if not cfg.eval.lengths or min(cfg.eval.lengths) < 1:
+    if cfg.eval.lengths is not None and (not cfg.eval.lengths or min(cfg.eval.lengths) < 1):
         raise UserError(f"eval.lengths={list(cfg.eval.lengths)}: give positive context lengths")
 
 

@@ -122,6 +122,7 @@ def test_a_training_cut_short_resumes_from_its_tracker(tmp_path: Path,
     assert len(calls) == 1  # finished: reused, not run
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_a_signal_stops_the_driver_after_its_training_saved(tmp_path: Path) -> None:
     """`timeout`'s SIGTERM reaches the driver and its training (one process group): the training
     saves the step it reached, the driver waits for it, starts nothing more and exits 143."""

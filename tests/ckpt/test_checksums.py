@@ -19,6 +19,8 @@ from parallel.distributed import shutdown
 from tests.conftest import FAST, compose_config
 from trainer.train import train
 
+pytestmark = pytest.mark.slow  # trains and saves; the quick lane (-m 'not slow') leaves it to CI
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:

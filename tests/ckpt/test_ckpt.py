@@ -247,6 +247,7 @@ def test_reshape_refuses_a_non_empty_destination_and_impossible_sizes(root: Path
     assert code == 2 and "must not be, contain or lie inside the source" in out
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_the_cli_explains_itself() -> None:
     out = subprocess.run([sys.executable, "-m", "ckpt", "reshape", "--help"], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout

@@ -29,6 +29,7 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_export_import_export_is_bitwise(tmp_path: Path, hf_imported) -> None:
     hf, imported = hf_imported("llama", False, 2)
     # From TP=2, sharded (an index) by a small shard limit: the next import reads an index.
@@ -114,6 +115,7 @@ def test_a_tp_the_model_cannot_split_over_is_refused_in_one_line(tmp_path: Path,
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_trainer_checkpoints_export_their_real_vocabulary_length_and_gate(
         tmp_path: Path, run_training, hf_imported, capsys) -> None:
     """A byte-tokenizer run exports 257 rows; a fine-tune of an imported model (on its own

@@ -39,7 +39,8 @@ def our_logits(root: Path, tokens: torch.Tensor = TOKENS,
 
 
 @pytest.mark.parametrize("family, tied, tp", [
-    ("llama", False, 1), ("llama", False, 2), ("qwen2", True, 1), ("qwen2", False, 2),
+    ("llama", False, 1), pytest.param("llama", False, 2, marks=pytest.mark.slow),
+    ("qwen2", True, 1), pytest.param("qwen2", False, 2, marks=pytest.mark.slow),  # 2 ranks
     ("mistral", True, 1), ("llama-yarn", True, 1),
 ])
 def test_imported_logits_match_transformers(hf_imported, family: str, tied: bool,

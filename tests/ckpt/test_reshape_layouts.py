@@ -53,6 +53,7 @@ def _assert_continues(resumed: list[dict], expected: list[dict], rel: float = 1e
 
 
 @pytest.mark.parametrize(("source", "flag"), [("plain", "true"), ("dist", "false")])
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_a_resume_switches_the_optimizer_format(saved, source: str, flag: str) -> None:
     cwd, metrics = saved
     ckpt = cwd / source / "checkpoints" / "iter_0000001"

@@ -4,6 +4,7 @@ rank under torchrun, rank 0 printing), the traceback only on request; bugs keep 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,17 @@ def test_config_composition_errors_are_one_line(tmp_path: Path, module: str, ove
     proc = _run(module, ["logger=none", override], tmp_path)
     _assert_one_error_line(proc, words)
     assert not any(tmp_path.iterdir())
+
+
+def test_under_torchrun_a_setting_error_comes_first_and_is_torchruns_root_cause(
+        tmp_path: Path) -> None:
+    """Issue 30: checked before the process group forms (no run directory yet); torchrun's
+    failure report names the error instead of pointing to its documentation."""
+    proc = _run("trainer", FAST + ["hydra.run.dir=run", "trainer.lr=1e-5", "trainer.min_lr=1e-4"],
+                tmp_path, nproc=2)
+    # torchrun's own log lines and its OMP_NUM_THREADS banner aside, the error comes first
+    ours = [line for line in proc.stderr.splitlines()
+            if line.strip(" *") and not re.match(r"([WEI]\d{4} |Setting OMP_NUM_THREADS)", line)]
+    assert ours[0].startswith("error: trainer.min_lr (0.0001) must be in [0, trainer.lr (1e-05)]")
+    assert "traceback : error: trainer.min_lr" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

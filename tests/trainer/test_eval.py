@@ -150,6 +150,7 @@ class _NoSweep:
     mode = None
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer import eval as eval_entry

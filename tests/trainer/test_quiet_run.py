@@ -22,3 +22,21 @@ def test_run_is_quiet_and_trains_at_an_odd_length(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     # The checkpoint writer's helpers ran too (a save): quiet as well.
     assert resolve_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000002"
+
+
+def test_a_tp2_save_and_resume_print_no_rank_mismatch_or_deprecation(tmp_path: Path) -> None:
+    """Issue 30: every rank saves rank 0's wandb id (megatron compares the common state across
+    ranks); megatron's torch_dist loader's FutureWarnings and its CUDA_DEVICE_MAX_CONNECTIONS
+    advice (no CUDA here) are not printed."""
+    common = [a for a in FAST if a != "logger=none"] + [
+        "hydra.run.dir=run", "parallel.tp=2", "data.max_documents=40", "trainer.save_interval=1",
+        "trainer.warmup_steps=0"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    first = run_cli(common + ["trainer.max_steps=1"], nproc=2, cwd=tmp_path, env=env)
+    resumed = run_cli(common + ["trainer.max_steps=2", "checkpoint.load=run/checkpoints"],
+                      nproc=2, cwd=tmp_path, env=env)
+    for proc in (first, resumed):
+        output = proc.stdout + proc.stderr
+        for noise in ("differs from rank 0", "FutureWarning", "CUDA_DEVICE_MAX_CONNECTIONS"):
+            assert noise not in output, output[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]

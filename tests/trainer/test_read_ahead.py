@@ -28,6 +28,7 @@ def order(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_next_batches_are_read_before_the_step_syncs(run_training, order: list[str]) -> None:
     # micro-batch 4, global batch 8: two micro-batches per step
     ahead = run_training(["trainer.max_steps=4", "trainer.global_batch_size=8"], name="ahead")

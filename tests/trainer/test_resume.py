@@ -20,6 +20,7 @@ def saved_at_2(run_training, tmp_path: Path) -> Path:
     return tmp_path / "short" / "checkpoints" / "iter_0000002"
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_a_longer_max_steps_extends_the_schedule(run_training, saved_at_2: Path) -> None:
     # The reference: an uninterrupted 8-step run's lr at steps 3..8.
     full = run_training(["trainer.max_steps=8", "checkpoint.save=false"], name="full")
@@ -73,8 +74,8 @@ def test_data_and_attention_changes_warn_once_each(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.WARNING):
         warnings = check_settings(saved, cfg, 60, "ckpt")
     changed = sorted(w.split()[3].split("=")[0] for w in warnings)
-    assert changed == ["attention.kind", "data.valid_fraction", "trainer.global_batch_size",
-                       "trainer.seq_length"]
+    assert changed == ["attention.dca_chunk_size", "attention.dca_local_size", "attention.kind",
+                       "data.valid_fraction", "trainer.global_batch_size", "trainer.seq_length"]
 
 
 def test_another_tokenizer_is_refused(tmp_path: Path) -> None:

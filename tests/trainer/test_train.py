@@ -30,6 +30,7 @@ def test_training_reduces_loss_and_writes_outputs(run_training, tmp_path: Path) 
     assert resolve_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000030"
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_resume_reproduces_the_uninterrupted_losses_exactly(run_training, tmp_path: Path) -> None:
     # The acceptance case: resume at step 20 of a 40-step run.
     full = run_training(["trainer.max_steps=40", "trainer.save_interval=20"], name="full")
@@ -105,6 +106,7 @@ def _report_memory(root: str) -> None:
         Path(root, f"rank{rank}").write_text(repr(_memory_gb(torch.device("cpu"))))
 
 
+@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
 def test_logged_memory_is_the_peak_of_the_most_loaded_rank(tmp_path: Path) -> None:
     spawn(_report_memory, str(tmp_path), world=2, tp=1)
     assert [float((tmp_path / f"rank{r}").read_text()) for r in range(2)] == [2.0, 2.0]

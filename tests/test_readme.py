@@ -1,0 +1,113 @@
+"""Issue 30: every command of README.md's ```bash blocks runs as written (so the README cannot
+drift from the code), in order, in one scratch directory, with tiny settings substituted:
+
+- a block preceded by `<!-- readme-test: skip (why) -->` is not run (GPU-only examples);
+- `pip install` and `pytest` commands are not run (the suite runs itself), nor commands for more
+  than 2 ranks or nodes, nor GPU-sized models (`model=gpt_1p3b`, `llama3_8b`);
+- `trainer` commands train 2 steps (3 when resuming) of 2 x 64 tokens of the tiny model on 40
+  documents, without wandb; `trainer.eval` runs one trial at 64 and 128 tokens;
+- placeholders name what the earlier commands made: `RUN/checkpoints`, `outputs/<date>/<time>/
+  checkpoints` and `.../checkpoints/iter_*` the first run's checkpoints, `outputs/.../checkpoints`
+  the latest run's, `path/to/Llama-3.2-1B` a tiny Llama built here (tests/ckpt/hf_models.py),
+  `CKPT` and `OTHER` a checkpoint, `DST`/`DST_ZARR`/`NEW_ROOT` new paths; `[--optional]`
+  arguments are left out (`--target-tp` kept, at 2: the tiny model has 2 query groups).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TRAIN = {"trainer.max_steps": "2", "trainer.seq_length": "64", "trainer.micro_batch_size": "2",
+         "trainer.global_batch_size": "2", "trainer.eval_interval": "0",
+         "data.max_documents": "40", "logger": "none"}
+EVAL = {"eval.lengths": "[64,128]", "eval.depths": "[0.5]", "eval.passkey_trials": "1",
+        "eval.multikey_trials": "0", "eval.perplexity_windows": "1", "data.max_documents": "40",
+        "logger": "none"}
+GPU_ONLY = re.compile(r"model=(gpt_1p3b|llama3_8b)|--nnodes|--nproc-per-node ([3-9]|\d\d)")
+BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>[^>]*) -->\n)?```bash\n(?P<body>.*?)```",
+                   re.S)
+
+
+def readme_commands() -> list[str]:
+    """The README's commands in order: continuation lines joined, comments and `&&` split."""
+    commands = []
+    for block in BLOCK.finditer((REPO / "README.md").read_text()):
+        if (block["mark"] or "").startswith("skip"):
+            continue
+        for line in block["body"].replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s)#.*", "", line).strip()
+            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    return commands
+
+
+def _set(words: list[str], settings: dict[str, str]) -> list[str]:
+    """Replace each setting's value where the command sets it; append the others."""
+    keys = {w.split("=", 1)[0].lstrip("+") for w in words if "=" in w}
+    words = [f"{w.split('=', 1)[0]}={settings[w.split('=', 1)[0].lstrip('+')]}"
+             if "=" in w and w.split("=", 1)[0].lstrip("+") in settings else w for w in words]
+    return words + [f"{k}={v}" for k, v in settings.items() if k not in keys]
+
+
+def tiny(command: str, place: dict[str, str], n: int) -> list[str] | None:
+    """The command as run here, or None when it is not run."""
+    if command.startswith(("pip ", "pytest")) or GPU_ONLY.search(command):
+        return None
+    command = command.replace("[--target-tp 4]", "--target-tp 2")  # the tiny model: 2 groups
+    command = re.sub(r"\s\[--[^\]]*\]", "", command)
+    place = place | {"DST": "zarr" if "--format zarr" in command else f"dst{n}"}
+    for name, value in place.items():
+        command = re.sub(rf"(?<![\w/.]){re.escape(name)}(?![\w])", value, command)
+    words = [re.sub(r"^model=gpt_\w+$", "model=tiny", w) for w in shlex.split(command)]
+    if words[0] == "torchrun":
+        words = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:]]
+    elif words[0] == "python":
+        words[0] = sys.executable
+    modules = [words[i + 1] for i, w in enumerate(words[:-1])
+               if w == "-m" and words[i + 1] != "torch.distributed.run"]
+    module = modules[0] if modules else ""
+    if module == "trainer":
+        steps = "3" if any(w.startswith("checkpoint.load=") for w in words) else "2"
+        return _set(words, TRAIN | {"trainer.max_steps": steps, "hydra.run.dir": f"run{n}"})
+    if module == "trainer.eval":
+        return _set(words, EVAL | {"hydra.run.dir": f"eval{n}"})
+    return words
+
+
+def test_every_readme_command_runs(tmp_path: Path) -> None:
+    from tests.ckpt.hf_models import save_hf, save_tokenizer
+
+    for name in ("docs", "README.md"):
+        (tmp_path / name).symlink_to(REPO / name)
+    hf = save_tokenizer(save_hf(tmp_path / "hf-llama", "llama", False))
+    first = tmp_path / "run0" / "checkpoints"
+    place = {"RUN/checkpoints": str(first), "path/to/Llama-3.2-1B": str(hf),
+             ".../checkpoints/iter_0000020": str(first / "iter_0000002"),
+             "outputs/2026-11-22/12-13-00/checkpoints": str(first),
+             "CKPT": str(first / "iter_0000002"), "OTHER": str(first / "iter_0000002"),
+             "DST_ZARR": "zarr", "NEW_ROOT": "from_zarr"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    ran, last_run = 0, first
+    for n, command in enumerate(readme_commands()):
+        words = tiny(command.replace("outputs/.../checkpoints", str(last_run)), place, ran)
+        if words is None:
+            continue
+        proc = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, (
+            f"README command {n}: {command}\nran: {shlex.join(words)}\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        if f"hydra.run.dir=run{ran}" in words and (tmp_path / f"run{ran}" / "checkpoints").exists():
+            last_run = tmp_path / f"run{ran}" / "checkpoints"
+        ran += 1
+    assert ran >= 20, ran

@@ -1,0 +1,77 @@
+"""Defaults that follow what the user typed, each said once in the log when it is not the plain
+value: the lr floor and warm-up of a run, and the DCA and chunked attention sizes of its length.
+
+- `trainer.min_lr` unset: `lr / 10` (a resume with the saved `lr`: the saved floor).
+- `trainer.warmup_steps` unset: 5 steps, `max_steps // 2` for a run of under 10 steps (a resume:
+  the saved value), so `trainer.max_steps=5` trains rather than being refused.
+- `attention.dca_chunk_size`, `attention.chunk_size` unset (`conf/attention/*.yaml` interpolate
+  `trainer.seq_length` through `chunk_default`): seq_length / 4, at most 8192 (Llama 4's and the
+  DCA paper's chunk), so the default job's sequence spans several chunks and a 32K run keeps 8192;
+  `dca_local_size` is an eighth of the chunk (1024 at 8192).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 5
+LONGEST_CHUNK = 8192
+
+
+def chunk_default(seq_length: int) -> int:
+    """The chunk of a run of `seq_length` tokens: a quarter of it, between 2 and 8192."""
+    return max(2, min(LONGEST_CHUNK, int(seq_length) // 4))
+
+
+def local_default(chunk_size: int) -> int:
+    """DCA's local window: an eighth of its chunk (at least 1, below the chunk)."""
+    return max(1, int(chunk_size) // 8)
+
+
+def register_resolvers() -> None:
+    """The resolvers `conf/attention/*.yaml` use (idempotent)."""
+    for name, fn in (("chunk_default", chunk_default), ("local_default", local_default)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def resolve_schedule(cfg: DictConfig, saved: DictConfig | None = None) -> None:
+    """Fill the unset `trainer.min_lr` and `trainer.warmup_steps` in place (so the checkpoint's
+    config records the values used); `saved` is the resumed checkpoint's config."""
+    t = cfg.trainer
+    saved_t = saved.trainer if saved is not None and "trainer" in saved else None
+    if t.min_lr is None:
+        if saved_t is not None and saved_t.get("min_lr") is not None and saved_t.lr == t.lr:
+            t.min_lr = saved_t.min_lr
+        else:
+            t.min_lr = t.lr / 10
+    if t.warmup_steps is None:
+        if saved_t is not None and saved_t.get("warmup_steps") is not None:
+            t.warmup_steps = saved_t.warmup_steps
+        else:
+            t.warmup_steps = min(WARMUP_STEPS, t.max_steps // 2)
+            if t.warmup_steps < WARMUP_STEPS:
+                log.info("warm-up shortened to %d steps (trainer.max_steps=%d is under %d; "
+                         "set trainer.warmup_steps to choose)", t.warmup_steps, t.max_steps,
+                         2 * WARMUP_STEPS)
+
+
+def degenerate_attention(attention: DictConfig, seq_length: int) -> str | None:
+    """One line when the attention variant computes plain causal attention at `seq_length`
+    (the whole sequence fits in one chunk), else None."""
+    if attention.kind == "dca":
+        span = attention.dca_chunk_size - attention.dca_local_size
+        if seq_length <= span:
+            return (f"attention=dca computes plain causal attention here: {seq_length} tokens fit "
+                    f"in one chunk (dca_chunk_size {attention.dca_chunk_size} - dca_local_size "
+                    f"{attention.dca_local_size} = {span}); lower attention.dca_chunk_size to "
+                    "exercise it")
+    if attention.kind == "chunked" and seq_length <= attention.chunk_size:
+        return (f"attention=chunked computes plain causal attention here: {seq_length} tokens fit "
+                f"in one chunk (attention.chunk_size {attention.chunk_size}); lower "
+                "attention.chunk_size to exercise it")
+    return None
