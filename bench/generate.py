@@ -44,10 +44,11 @@ def _write_checkpoints(root: Path, args: argparse.Namespace, device: torch.devic
     """root/variant and root/standard: the same random weights with the two attention configs."""
     from megatron.core.transformer.module import Float16Module
 
-    from ckpt.hf_import import run_config
+    from ckpt.meta import CheckpointMeta
     from ckpt.save import write_checkpoint
     from models.gpt import BuildOptions, build_model
     from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+    from parallel.placement import Layout
 
     model = ModelConfig(**yaml.safe_load((Path(CONF_DIR) / "model" / f"{args.model}.yaml")
                                          .read_text()))
@@ -58,11 +59,11 @@ def _write_checkpoints(root: Path, args: argparse.Namespace, device: torch.devic
                         max_sequence_length=args.prefill + args.decode,
                         options=BuildOptions(bf16=bf16, on_gpu=device.type == "cuda"))
     for name, att in (("variant", attention), ("standard", AttentionConfig())):
-        extra = {"step": 0, "consumed_samples": 0, "tp": 1, "model_only": True,
-                 "vocab_size": args.vocab,
-                 "config": run_config(model, 1, args.prefill + args.decode, "byte", att)}
+        meta = CheckpointMeta(model=model, attention=att, layout=Layout(),
+                              seq_length=args.prefill + args.decode, vocab_size=args.vocab,
+                              tokenizer="byte", model_only=True)
         write_checkpoint(root / name, 0, {"model": built.gpt.sharded_state_dict(),
-                                          "extra": extra})
+                                          "extra": meta.to_saved()})
     gpt = Float16Module(built.config, built.gpt) if bf16 else built.gpt
     return gpt.eval()
 

@@ -36,7 +36,7 @@ def manifest_problems(manifest: Any, export_dir: Path) -> list[str]:
         if not _count(manifest.get(key), 1):
             problems.append(f"{key}: {manifest.get(key)!r} is not a TP size (an int >= 1)")
     common = manifest.get("common")
-    saved_tp = common.get("extra", {}).get("tp") if isinstance(common, dict) else None
+    saved_tp = _saved_tp(common.get("extra")) if isinstance(common, dict) else None
     if not isinstance(common, dict):
         problems.append("common: missing (the checkpoint's common state)")
     elif saved_tp is not None and saved_tp != tp:
@@ -81,3 +81,11 @@ def _entry_problems(entry: Any, export_dir: Path, tp: int | None, key: str) -> l
     elif not (export_dir / path / "zarr.json").is_file():
         problems.append(f"its array {export_dir / path} is missing")
     return problems
+
+
+def _saved_tp(extra: Any) -> Any:
+    """The TP size the checkpoint's record names (`layout.tp`; `tp` in its older format)."""
+    if not isinstance(extra, dict):
+        return None
+    layout = extra.get("layout")
+    return layout.get("tp") if isinstance(layout, dict) and "tp" in layout else extra.get("tp")

@@ -45,7 +45,7 @@ register_configs()
 log = logging.getLogger(__name__)
 
 
-def _eval_data(cfg: DictConfig, meta: CheckpointMeta) -> DictConfig:
+def checkpoint_data(cfg: DictConfig, meta: CheckpointMeta) -> DictConfig:
     """The checkpoint's run's data settings (an imported model's: the defaults with its
     tokenizer), each overridden where this command sets it to other than the default (e.g.
     `data.tokenizer=HF_DIR`, `data.max_documents=N`)."""
@@ -58,7 +58,7 @@ def _eval_data(cfg: DictConfig, meta: CheckpointMeta) -> DictConfig:
     return data
 
 
-def _load_model(cfg: DictConfig, model: DictConfig, tokenizer_spec: str, ckpt: Checkpoint,
+def load_model(cfg: DictConfig, model: DictConfig, tokenizer_spec: str, ckpt: Checkpoint,
                 device: torch.device, bf16: bool):
     """The checkpoint's model shape (`model`: with this command's RoPE scaling) with this
     command's attention, weights loaded (checked)."""
@@ -181,11 +181,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     model_cfg = with_rope_overrides(cfg.model, literal(asdict(meta.model)), typed,
                                     trained_length, max(cfg.eval.lengths))
     check_model(model_cfg, cfg.attention, cfg.parallel)
-    data = _eval_data(cfg, meta)
+    data = checkpoint_data(cfg, meta)
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
     try:
-        model, tokenizer = _load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
+        model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
         label = cfg.attention.kind
         if label == "dca" and cfg.attention.dca_scaling != "none":
             # the label carries every scaling constant (defaults or not)

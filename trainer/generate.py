@@ -102,7 +102,7 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None) -
     """The new tokens for `cfg` (a GenerateConfig); their text goes to `emit` as it comes."""
     from parallel.distributed import initialize_parallel, shutdown
     from trainer.data.tokenizer import load_tokenizer
-    from trainer.eval import _eval_data, _load_model
+    from trainer.eval import checkpoint_data, load_model
     from trainer.init_from import open_load
     from trainer.rope_override import typed_model_keys, with_rope_overrides
     from trainer.validate import check_model, placement
@@ -113,7 +113,7 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None) -
     text = prompt_text(cfg)
     ckpt = open_load(cfg.checkpoint.load)
     attention = _attention(cfg, ckpt)
-    data = _eval_data(cfg, ckpt.meta)
+    data = checkpoint_data(cfg, ckpt.meta)
     prompt = load_tokenizer(data.tokenizer).encode(text)
     if not prompt:
         raise UserError("the prompt is empty: give at least one token of text")
@@ -132,7 +132,7 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None) -
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
     initialize_parallel(device, 1, cfg.seed)
     try:
-        model, tokenizer = _load_model(run, model_cfg, data.tokenizer, ckpt, device, bf16)
+        model, tokenizer = load_model(run, model_cfg, data.tokenizer, ckpt, device, bf16)
         generator = torch.Generator().manual_seed(cfg.seed)
         return _decode(model, tokenizer, prompt, cfg, device, generator, emit)
     finally:

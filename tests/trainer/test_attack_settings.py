@@ -82,7 +82,7 @@ def test_bad_eval_setting_is_refused_before_the_model_runs(
 
     cfg = compose_config(["logger=none", "eval.lengths=[64]", f"checkpoint.load={checkpoint}",
                           override])
-    monkeypatch.setattr(eval_entry, "_load_model", _must_not_run)
+    monkeypatch.setattr(eval_entry, "load_model", _must_not_run)
     with pytest.raises(UserError) as info:
         eval_entry.evaluate(cfg, tmp_path)
     assert key in str(info.value) and "\n" not in str(info.value), info.value

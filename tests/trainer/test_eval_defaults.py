@@ -53,7 +53,7 @@ def test_perplexity_is_transformers_loss_on_the_same_tokens(tmp_path: Path, hf_i
     out = tmp_path / "eval"
     out.mkdir()
     results = eval_entry.evaluate(cfg, out)
-    data = eval_entry._eval_data(cfg, Checkpoint(resolve_checkpoint(imported)).meta)
+    data = eval_entry.checkpoint_data(cfg, Checkpoint(resolve_checkpoint(imported)).meta)
     _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, length,
                                  data.valid_fraction, 0, data.max_documents)
     tokens = torch.tensor(np.asarray(valid.stream[:length + 1]).astype(np.int64))[None]

@@ -60,7 +60,7 @@ def test_pp2_dp2_distributed_optimizer_matches_single_process(
 
 
 @pytest.mark.parametrize(("overrides", "world", "message"), [
-    (["model.num_layers=3", "parallel.pp=2"], 2, "model.num_layers (3) must be divisible"),
+    (["model.num_layers=3", "parallel.pp=2"], 2, "model.num_layers (3) is not divisible"),
     (["model.num_layers=4", "parallel.pp=2", "parallel.vpp=4"], 2, "parallel.pp x parallel.vpp"),
     (["parallel.pp=2", "parallel.tp=2"], 6, "must be a multiple of parallel.tp"),
     (["model.num_layers=4", "parallel.pp=2", "trainer.global_batch_size=4",
