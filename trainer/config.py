@@ -38,7 +38,7 @@ class DataConfig:
     max_documents: int | None = None
     passkey_fraction: float = 0.0  # share of training samples replaced by passkey examples
     # share replaced by multi-key examples (named needles in the sample's own text), and their
-    # needle count (trainer/passkey.py)
+    # needle count (trainer/evals/passkey.py)
     multikey_fraction: float = 0.0
     multikey_keys: int = 4
     # read the next step's micro-batches while the GPU runs this step's backward (false: at the
@@ -122,7 +122,7 @@ class EvalConfig:
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 10  # per (length, depth) cell
     passkey_digits: int = 5
-    # Multi-key retrieval in held-out corpus text (trainer/retrieval.py); 0 trials: skipped
+    # Multi-key retrieval in held-out corpus text (trainer/evals/retrieval.py); 0 trials: skipped
     multikey_trials: int = 10  # per (length, depth) cell
     multikey_keys: int = 4  # needles per prompt: the asked one and keys - 1 distractors
     perplexity_windows: int = 8  # windows of the longest length; shorter lengths tile the same text

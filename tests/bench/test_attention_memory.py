@@ -22,5 +22,5 @@ def test_peak_breakdown_replays_to_the_peak_and_groups_by_site() -> None:
     ]
     peak, sites = peak_breakdown(trace)
     assert peak == 150  # 100 + 50 before the free; later 50 + 70 + 20 = 140
-    assert sites == {"models/attention/dca.py:10 rotate": 100,
-                     "models/attention/dca.py:20 call": 50}
+    assert sites == {"models/attention/dca/attention.py:10 rotate": 100,
+                     "models/attention/dca/attention.py:20 call": 50}

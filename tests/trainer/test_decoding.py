@@ -1,4 +1,4 @@
-"""Retrieval grading by teacher forcing (trainer/decoding.py) against the old grading by greedy
+"""Retrieval grading by teacher forcing (trainer/evals/decoding.py) against the old grading by greedy
 decoding of every step, kept here as the reference: the same verdict for every trial, fewer
 forwards."""
 

@@ -1,4 +1,4 @@
-"""Multi-key retrieval among distractors (trainer/retrieval.py) and perplexity by position."""
+"""Multi-key retrieval among distractors (trainer/evals/retrieval.py) and perplexity by position."""
 
 from __future__ import annotations
 

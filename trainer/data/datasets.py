@@ -310,7 +310,7 @@ class DataIterator:
     therefore just `consumed_samples`, and restoring it reproduces the remaining batches exactly,
     even under a different dp_size. A global batch that straddles an epoch boundary may hold a
     sample twice (once from each epoch). `mix(g, sample)`, when given, may replace global sample
-    g (the passkey mix: trainer/passkey.py).
+    g (the passkey mix: trainer/evals/passkey.py).
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset, micro_batch_size: int, seed: int,

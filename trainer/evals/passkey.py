@@ -12,7 +12,7 @@ re-split, and a small model trained on it did not learn it (docs/experiments.md,
 The key sits at a controlled depth (0 = start of the context, 1 = just before the question);
 a model passes a trial when greedy decoding after "The pass key is" reproduces every digit.
 Training mixes such samples into the corpus (`data.passkey_fraction`) at the training length,
-and multi-key ones (`data.multikey_fraction`, trainer/retrieval.py's task).
+and multi-key ones (`data.multikey_fraction`, trainer/evals/retrieval.py's task).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[list
 class PasskeyMix:
     """Replaces a deterministic share of the training stream by retrieval examples: passkey
     examples (`fraction`) and multi-key examples (`multikey_fraction`: `keys` named needles in
-    the replaced sample's own text, the question about one of them, as `trainer/retrieval.py`
+    the replaced sample's own text, the question about one of them, as `trainer/evals/retrieval.py`
     evaluates in held-out text), each ending with its answer.
 
     Global sample g's choice, keys and depths depend only on (seed, g), the training stream's
