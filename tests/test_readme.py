@@ -1,7 +1,10 @@
 """Issue 30: every command of README.md's ```bash blocks runs as written (so the README cannot
 drift from the code), in order, in one scratch directory, with tiny settings substituted:
 
-- a block preceded by `<!-- readme-test: skip (why) -->` is not run (GPU-only examples);
+- a block preceded by `<!-- readme-test: skip (why) -->` is not run (GPU-only examples), one
+  preceded by `<!-- readme-test: shell -->` runs whole in bash (a multi-line `python -c`), and
+  a command that starts with neither `python` nor `torchrun` runs in bash (`printf ... > f`);
+- `$PWD` is the scratch directory;
 - `pip install` and `pytest` commands are not run (the suite runs itself), nor commands for more
   than 2 ranks or nodes, nor GPU-sized models (`model=gpt_1p3b`, `llama3_8b`);
 - `trainer` commands train 2 steps (3 when resuming) of 2 x 64 tokens of the tiny model on 40
@@ -35,6 +38,7 @@ EVAL = {"eval.lengths": "[64,128]", "eval.depths": "[0.5]", "eval.passkey_trials
         "eval.multikey_trials": "0", "eval.perplexity_windows": "1", "data.max_documents": "40",
         "logger": "none"}
 GPU_ONLY = re.compile(r"model=(gpt_1p3b|llama3_8b)|--nnodes|--nproc-per-node ([3-9]|\d\d)")
+SHELL = "\0"  # marks a whole block for bash
 BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>[^>]*) -->\n)?```bash\n(?P<body>.*?)```",
                    re.S)
 
@@ -44,6 +48,9 @@ def readme_commands() -> list[str]:
     commands = []
     for block in BLOCK.finditer((REPO / "README.md").read_text()):
         if (block["mark"] or "").startswith("skip"):
+            continue
+        if (block["mark"] or "").startswith("shell"):
+            commands.append(SHELL + block["body"])
             continue
         for line in block["body"].replace("\\\n", " ").splitlines():
             line = re.sub(r"(^|\s)#.*", "", line).strip()
@@ -63,6 +70,10 @@ def tiny(command: str, place: dict[str, str], n: int) -> list[str] | None:
     """The command as run here, or None when it is not run."""
     if command.startswith(("pip ", "pytest")) or GPU_ONLY.search(command):
         return None
+    if command.startswith(SHELL):
+        return ["bash", "-ec", command[len(SHELL):]]
+    if not command.startswith(("python ", "torchrun ")):
+        return ["bash", "-ec", command]
     command = command.replace("[--target-tp 4]", "--target-tp 2")  # the tiny model: 2 groups
     command = re.sub(r"\s\[--[^\]]*\]", "", command)
     place = place | {"DST": "zarr" if "--format zarr" in command else f"dst{n}"}
@@ -96,10 +107,12 @@ def test_every_readme_command_runs(tmp_path: Path) -> None:
              "outputs/2026-11-22/12-13-00/checkpoints": str(first),
              "CKPT": str(first / "iter_0000002"), "OTHER": str(first / "iter_0000002"),
              "DST_ZARR": "zarr", "NEW_ROOT": "from_zarr"}
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # bash's `python`
     ran, last_run = 0, first
     for n, command in enumerate(readme_commands()):
-        words = tiny(command.replace("outputs/.../checkpoints", str(last_run)), place, ran)
+        command = command.replace("outputs/.../checkpoints", str(last_run))
+        words = tiny(command.replace("$PWD", str(tmp_path)), place, ran)
         if words is None:
             continue
         proc = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True,

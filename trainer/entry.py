@@ -31,6 +31,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (UserError, CheckpointError, File
                                                 PlacementError)
 
 T = TypeVar("T")
+EARLY_EXIT_GRACE_S = 5.0  # how long the other ranks let rank 0 report an early error
 
 
 def debug_requested() -> bool:
@@ -86,6 +87,10 @@ def check_early(check: Callable[[], object]) -> None:
         check()
     except USER_ERRORS as err:
         report_user_error(err)
+        if os.environ.get("RANK", "0") != "0":
+            # torchrun stops the job at the first rank to exit: let rank 0 print and leave
+            # first (no process group yet to meet in, as `_leave_process_group` does)
+            time.sleep(EARLY_EXIT_GRACE_S)
         sys.exit(2)
 
 

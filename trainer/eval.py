@@ -5,8 +5,8 @@ with the attention variant of *this* command line, so a model trained with stand
 can be evaluated with DCA or chunked attention, and with this command line's RoPE scaling
 (`+extrapolation=pi|ntk|yarn`, any `model.rope_*`: trainer/rope_override.py). It measures per
 (length, depth) the simple passkey's accuracy (repeated filler) and multi-key retrieval among
-distractors in held-out corpus text (trainer/evals/retrieval.py), and per length the perplexity, also
-by position bucket (0..T, T..2T, 2T..4T, ... with T the trained length). Results go to
+distractors in held-out corpus text (trainer/evals/retrieval.py), and per length the perplexity,
+also by position bucket (0..T, T..2T, 2T..4T, ... with T the trained length). Results go to
 `eval.json`, `passkey.png` and `perplexity.png` in the run directory and, on rank 0, to wandb
 (tables and plots). A Hydra multirun (`-m +attention=dca,chunked`) groups its runs in wandb.
 """

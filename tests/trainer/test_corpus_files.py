@@ -1,5 +1,6 @@
-"""Directory corpora (trainer/data/corpus_files.py), build_data's directory and --files-from inputs, and
-the validation share chosen for a token budget (trainer/data/datasets.py `smallest_valid_fraction`)."""
+"""Directory corpora (trainer/data/corpus_files.py), build_data's directory and --files-from
+inputs, and the validation share chosen for a token budget (trainer/data/datasets.py
+`smallest_valid_fraction`)."""
 
 from __future__ import annotations
 

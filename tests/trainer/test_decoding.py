@@ -1,5 +1,5 @@
-"""Retrieval grading by teacher forcing (trainer/evals/decoding.py) against the old grading by greedy
-decoding of every step, kept here as the reference: the same verdict for every trial, fewer
+"""Retrieval grading by teacher forcing (trainer/evals/decoding.py) against the old grading by
+greedy decoding of every step, kept here as the reference: the same verdict for every trial, fewer
 forwards."""
 
 from __future__ import annotations

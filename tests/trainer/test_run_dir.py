@@ -80,7 +80,7 @@ def test_rerunning_a_finished_directory_needs_load_or_overwrite(tmp_path: Path) 
     _finish(_start(TINY + ["hydra.run.dir=run", "trainer.save_interval=1"], tmp_path))
     run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     before = _snapshot(run_dir)
-    err = _finish(_start(TINY + ["hydra.run.dir=run", "trainer.max_steps=1"], tmp_path), rc=2)
+    err = _finish(_start(TINY + ["hydra.run.dir=run"], tmp_path), rc=2)
     assert "checkpoint.overwrite=true" in err and f"checkpoint.load={root}" in err
     assert _snapshot(run_dir) == before  # tracker, iter_*, .hydra/ and the log untouched
     assert (root / TRACKER).read_text().strip() == "2"
@@ -106,7 +106,8 @@ def test_every_torchrun_rank_refuses_a_held_directory(tmp_path: Path) -> None:
         assert holder.stdout.readline().strip() == "held"
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--standalone", "-m", "trainer", *TINY, "hydra.run.dir=run"], cwd=tmp_path,
+             "--standalone", "-m", "trainer", *TINY, "trainer.micro_batch_size=2",
+             "hydra.run.dir=run"], cwd=tmp_path,
             capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
