@@ -6,7 +6,7 @@ from bench.attention_memory import REPO, peak_breakdown
 
 
 def _frame(name: str, line: int) -> dict:
-    return {"filename": f"{REPO}/models/attention/dca.py", "line": line, "name": name}
+    return {"filename": f"{REPO}/models/attention/dca/attention.py", "line": line, "name": name}
 
 
 def test_peak_breakdown_replays_to_the_peak_and_groups_by_site() -> None:

@@ -37,6 +37,7 @@ def _other_command_writes(dst: Path) -> None:
                    env=os.environ | {"PYTHONPATH": os.getcwd()})
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_a_new_dst_written_meanwhile_by_another_command_is_kept(tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     with pytest.raises(DestinationError, match="appeared while this command ran"):  # noqa: PT012
@@ -57,6 +58,7 @@ def test_an_empty_dst_is_still_filled_and_overwrite_still_replaces(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_two_export_hf_into_one_new_dst(hf_imported, tmp_path: Path, capsys,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The attack as found: export-hf A and B into the same absent DST, B finishing while A

@@ -61,6 +61,7 @@ def test_the_pristine_copy_imports(hf: Path, capsys: pytest.CaptureFixture) -> N
     assert "dry run" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_a_billion_layers_is_refused_fast_against_the_tensors_present(hf: Path) -> None:
     """Listing 9 x 10^9 expected tensors hung at 2.9 GB; the layer count present decides."""
     _edit(hf / "config.json", num_hidden_layers=1_000_000_000)

@@ -121,6 +121,7 @@ def test_a_fine_tune_never_resolves_the_saved_model(root: Path, tmp_path: Path,
     assert saved.model.name == "${oc.env:ADV_SECRET}" and SECRET not in saved.run_config
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_ckpt_inspect_refuses_a_billion_laughs_in_one_line(root: Path, tmp_path: Path) -> None:
     """Before: CPU-bound and hundreds of MB, still growing after two minutes."""
     bomb = _with_config(LEGACY_TRAIN, tmp_path / "bomb", lambda text: text + _billion_laughs(),

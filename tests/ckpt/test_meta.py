@@ -102,6 +102,7 @@ def test_a_legacy_checkpoint_resumes_with_the_current_trainer(tmp_path: Path) ->
     assert meta.step == 3 and meta.consumed_samples == 6 and meta.vocab_size == 257
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_legacy_checkpoints_inspect_reshape_and_export(tmp_path: Path, capsys) -> None:
     assert main(["inspect", str(LEGACY_TRAIN)]) == 0
     assert "sequence length 32, vocabulary 257, tokenizer byte" in capsys.readouterr().out

@@ -105,6 +105,7 @@ def test_reshape_to_tp2_pp2_dist_opt_and_back_to_tp1_pp2_resumes(saved, capsys) 
     _assert_continues(reshaped, metrics["plain"][1:], rel=1e-5)
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_dry_run_lists_every_shard_before_and_after_and_writes_nothing(saved, capsys) -> None:
     cwd, _ = saved
     src, dst = cwd / "dist" / "checkpoints", cwd / "dry"

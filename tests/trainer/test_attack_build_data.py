@@ -70,6 +70,7 @@ sys.exit(bd.main(["doc.txt", "--output-prefix", "ds"]))
 """
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_sigterm_removes_the_temporary_files(corpus: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", _TERMINATED], cwd=corpus.parent,
                           capture_output=True, text=True, timeout=300,

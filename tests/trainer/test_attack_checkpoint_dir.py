@@ -115,6 +115,7 @@ def test_a_disk_full_during_a_save_is_named_and_keeps_the_previous_checkpoint(
     assert ckpt_main(["verify", str(root)]) == 0
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_a_checkpoint_dir_inside_another_runs_directory_is_refused(tmp_path: Path) -> None:
     """Run A keeps its checkpoints in its run directory (the default `checkpoints`); run B points
     its absolute `checkpoint.dir` there."""

@@ -47,6 +47,7 @@ def test_cached_greedy_decoding_is_recomputation(checkpoint, name: str) -> None:
     assert len(shown) > 1  # printed as it came, not at the end
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_sampling_is_seeded_and_cached_equals_recomputed(checkpoint) -> None:
     args = [f"checkpoint.load={checkpoint('dca-yarn-gated')}", f"prompt={PROMPT!r}",
             "max_new_tokens=40", "stop_at_eod=false", "temperature=1.5", "top_p=0.9",
@@ -57,6 +58,7 @@ def test_sampling_is_seeded_and_cached_equals_recomputed(checkpoint) -> None:
     assert first != generate(config(args[:-3] + ["trainer.device=cpu"]))  # not greedy
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_the_command_prints_text_and_refuses_a_prompt_too_long(checkpoint, tmp_path: Path) -> None:
     ckpt = checkpoint("chunked-llama3")
     ok = subprocess.run([sys.executable, "-m", "trainer.generate", f"checkpoint.load={ckpt}",
