@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.generate import bench, parse_args
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_generation_benchmark_runs_tiny_on_the_cpu(tmp_path) -> None:
     args = parse_args(["--model", "tiny", "--vocab", "512", "--prefill", "40", "--decode", "6",
                        "--dca-chunk", "16", "--dca-local", "4", "--device", "cpu", "--dtype",
