@@ -1,4 +1,5 @@
-"""The one reader of a checkpoint's saved run config (`extra.config`, YAML text).
+"""The one reader of a checkpoint's saved run config (YAML text: the record's `run_config`, or
+`config` in its older format).
 
 A checkpoint may come from anyone, and its config is plain text anyone can edit, so it is read
 as data only:
