@@ -7,35 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.load import load_model_weights
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
-from models.gpt import build_model
-from models.schema import AttentionConfig, ParallelConfig
-from parallel.distributed import initialize_parallel, shutdown
 from tests.ckpt import hf_models
 from tests.ckpt.hf_models import VOCAB, hf_logits
+from tests.ckpt.longctx_models import trainer_logits
 
 hf_imported = hf_models.hf_imported  # the shared fixture
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
 
 
-def our_logits(root: Path, tokens: torch.Tensor = TOKENS,
-               attention: AttentionConfig | None = None) -> torch.Tensor:
-    """Logits of the imported checkpoint, loaded at TP=1 (a TP=2 one reshards on load), in a
-    process group of its own."""
-    ckpt = resolve_checkpoint(root)
-    saved = Checkpoint(ckpt).meta
-    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
-    try:
-        built = build_model(saved.model, attention or AttentionConfig(), ParallelConfig(),
-                            vocab_size=VOCAB, max_sequence_length=tokens.shape[1])
-        load_model_weights(ckpt, built.gpt)
-        with torch.no_grad():
-            out = built.gpt.eval()(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    finally:
-        shutdown()
-    return out[..., :VOCAB]
+def our_logits(root: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    """Logits of the imported checkpoint, loaded at TP=1 (a TP=2 one reshards on load)."""
+    return trainer_logits(root, tokens)
 
 
 @pytest.mark.parametrize("family, tied, tp", [
