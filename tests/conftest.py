@@ -152,10 +152,12 @@ def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int |
         shutdown()
 
 
-# Worker processes fork from a server process that imported torch, megatron and the trainer once:
-# a new interpreter per worker spends ~7 s of CPU on those imports, and a fork of the test process
-# itself would inherit its gloo groups (megatron leaves them alive) and crash using them.
-mp.set_forkserver_preload(["tests.conftest", "trainer.train"])
+# Worker processes fork from a server process that imported torch, megatron, the trainer and the
+# checkpoint tool once: a new interpreter per worker spends ~7 s of CPU on those imports, and a
+# fork of the test process itself would inherit its gloo groups (megatron leaves them alive) and
+# crash using them. tests/test_readme.py runs the README's `python -m` commands there too.
+mp.set_forkserver_preload(["tests.conftest", "trainer.train", "trainer.eval", "trainer.generate",
+                           "ckpt.__main__"])
 
 
 def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> None:

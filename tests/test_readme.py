@@ -5,6 +5,10 @@ drift from the code), in order, in one scratch directory, with tiny settings sub
   preceded by `<!-- readme-test: shell -->` runs whole in bash (a multi-line `python -c`), and
   a command that starts with neither `python` nor `torchrun` runs in bash (`printf ... > f`);
 - `$PWD` is the scratch directory;
+- `python -m` commands run in a child forked from an interpreter that imported torch, megatron
+  and the trainer once (`run_module`: the same module as `__main__`, argv, working directory,
+  environment, exit code and atexit handlers as a new interpreter, without its ~7 s of imports);
+  `torchrun` and shell commands run as written;
 - `pip install` and `pytest` commands are not run (the suite runs itself), nor commands for more
   than 2 ranks or nodes, nor GPU-sized models (`model=gpt_1p3b`, `llama3_8b`);
 - `trainer` commands train 2 steps (3 when resuming) of 2 x 64 tokens of the tiny model on 40
@@ -18,11 +22,15 @@ drift from the code), in order, in one scratch directory, with tiny settings sub
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing as mp
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -95,6 +103,46 @@ def tiny(command: str, place: dict[str, str], n: int) -> list[str] | None:
     return words
 
 
+def _run_module_here(args: list[str], cwd: str, env: dict[str, str], log: str) -> None:
+    """In a forkserver child: what `python -m args[0] args[1:]` does, output to `log`."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    sys.argv = [args[0], *args[1:]]  # argv[0] becomes the module's file, as under -m
+    code: int | str | None = 0
+    try:
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def run_module(words: list[str], cwd: Path, env: dict[str, str],
+               log: Path) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (words) in a child of the forkserver that conftest preloads."""
+    child = mp.get_context("forkserver").Process(
+        target=_run_module_here, args=(words[2:], str(cwd), env, str(log)))
+    child.start()
+    child.join(timeout=600)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    output = log.read_text()
+    return subprocess.CompletedProcess(words, child.exitcode, output, "")
+
+
 def test_every_readme_command_runs(tmp_path: Path) -> None:
     from tests.ckpt.hf_models import save_hf, save_tokenizer
 
@@ -115,8 +163,11 @@ def test_every_readme_command_runs(tmp_path: Path) -> None:
         words = tiny(command.replace("$PWD", str(tmp_path)), place, ran)
         if words is None:
             continue
-        proc = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
+        if words[:2] == [sys.executable, "-m"] and words[2] != "torch.distributed.run":
+            proc = run_module(words, tmp_path, env, tmp_path / f"command{n}.log")
+        else:
+            proc = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=600)
         assert proc.returncode == 0, (
             f"README command {n}: {command}\nran: {shlex.join(words)}\n"
             f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
