@@ -7,8 +7,9 @@ moves pinned RoPE slice indices to CUDA, under pipeline parallelism moves the ti
 CUDA and pairs pipeline messages in an order gloo does not keep, and its distributed optimizer
 accepts only parameters whose `Tensor.type()` names a CUDA type and gathers its checkpoint state
 through `.cuda()` unless told to use gloo.
-`enable_cpu_mode()` redirects exactly those to the CPU.
-It does nothing when CUDA is present, so the GPU path is megatron's own, untouched.
+`enable_cpu_mode()` redirects exactly those to the CPU, in a process that runs on the CPU (a
+machine without CUDA, or `trainer.device=cpu` on a GPU host); `disable_cpu_mode()` undoes it, so a
+process that goes on to use the GPU (a test session on a GPU host) runs megatron's own code.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
-_enabled = False
+_undo: list[tuple[object, str, object]] = []  # (owner, name, original) per patch
 
 
 class _CudaToCpuTorch(types.ModuleType):
@@ -129,21 +130,27 @@ def _tagged_p2p_ops(*, tensor_send_prev: torch.Tensor | None,
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def enable_cpu_mode() -> bool:
-    """Patch megatron-core for CPU execution when CUDA is absent. Returns True if patched."""
-    global _enabled
-    if torch.cuda.is_available():
-        return False
-    if _enabled:
-        return True
+_MISSING = object()
 
+
+def _patch(owner: object, name: str, value: object) -> None:
+    """owner.name = value, remembering the original (or its absence) for `disable_cpu_mode`."""
+    _undo.append((owner, name, getattr(owner, name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def enable_cpu_mode() -> bool:
+    """Patch megatron-core for a process that runs on the CPU (with or without a GPU present).
+    Returns False if it already was."""
+    if _undo:
+        return False
     cpu = torch.device("cpu")
     # Allocation device, synchronisation and the default CUDA generator all map onto the CPU.
-    torch.cuda.current_device = lambda: cpu  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()  # type: ignore
-    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)  # type: ignore
-    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    _patch(torch.cuda, "current_device", lambda: cpu)
+    _patch(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    _patch(torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _patch(torch.cuda, "set_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
+    _patch(torch.cuda, "manual_seed", lambda seed: None)
 
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
     import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn
@@ -153,27 +160,36 @@ def enable_cpu_mode() -> bool:
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.layers as tp_layers
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.utils as mcore_utils
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    _patch(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _patch(tp_random, "_set_cuda_rng_state",
+           lambda state, *args, **kwargs: torch.set_rng_state(state))
     for module in (mcore_utils, optimizer, clip_grads, grad_scaler, schedules):
-        module.torch = _CudaToCpuTorch("torch")  # type: ignore[attr-defined]
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+        _patch(module, "torch", _CudaToCpuTorch("torch"))
+    _patch(optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_cpu)
     # Its advice to set CUDA_DEVICE_MAX_CONNECTIONS (TP > 1) concerns CUDA streams: none here.
-    import megatron.core.tensor_parallel.layers as tp_layers
-
-    tp_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
-    rotary.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
-    p2p._batched_p2p_ops = _tagged_p2p_ops
+    _patch(tp_layers.linear_with_grad_accumulation_and_async_allreduce, "warned", True)
+    _patch(rotary, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank)
+    _patch(yarn, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank)
+    _patch(p2p, "_batched_p2p_ops", _tagged_p2p_ops)
     optimizer_class = distrib_optimizer.DistributedOptimizer
-    optimizer_class.__init__ = _as_if_on_cuda(optimizer_class.__init__)  # type: ignore
-    LanguageModule.setup_embeddings_and_output_layer = _as_if_on_cuda(  # type: ignore
-        LanguageModule.setup_embeddings_and_output_layer)
-    optimizer_class.get_parameter_state_dp_zero = _gather_over_gloo(  # type: ignore
-        optimizer_class.get_parameter_state_dp_zero)
-    yarn.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
-    _enabled = True
+    _patch(optimizer_class, "__init__", _as_if_on_cuda(optimizer_class.__init__))
+    _patch(LanguageModule, "setup_embeddings_and_output_layer",
+           _as_if_on_cuda(LanguageModule.setup_embeddings_and_output_layer))
+    _patch(optimizer_class, "get_parameter_state_dp_zero",
+           _gather_over_gloo(optimizer_class.get_parameter_state_dp_zero))
     return True
+
+
+def disable_cpu_mode() -> None:
+    """Undo `enable_cpu_mode`: megatron-core as imported (for a process that uses a GPU next)."""
+    while _undo:
+        owner, name, original = _undo.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)

@@ -11,7 +11,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
-from parallel.cpu_mode import enable_cpu_mode
+from parallel.cpu_mode import disable_cpu_mode, enable_cpu_mode
 from parallel.placement import Layout, PlacementError, layout_problems
 from parallel.process_group import join_process_group
 from parallel.torch_adam import enable_torch_adam_checkpoints
@@ -88,11 +88,14 @@ def initialize_parallel(device: torch.device, tp: int, seed: int, cp: int = 1, p
 
 
 def shutdown() -> None:
-    """Tear down megatron's groups and the process group (tests run several jobs per process)."""
+    """Tear down megatron's groups and the process group (tests run several jobs per process);
+    on a GPU host also the CPU patches, since the process may use the GPU next."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if torch.cuda.is_available():
+        disable_cpu_mode()
 
 
 def wrap_model(model: MegatronModule, *, distributed_optimizer: bool,
