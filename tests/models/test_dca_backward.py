@@ -61,6 +61,28 @@ def test_bounded_calls_match_the_reference(budget: int, hq: int, hk: int, cu: li
         assert max(rows for rows, _ in calls) == 7 * LENGTH  # the one batched intra call
 
 
+@pytest.mark.parametrize("budget", [1, 13])
+def test_key_rows_get_one_gradient_add_per_part_or_few_pieces(
+        budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dk/dv are rounded once per part (intra, successive, inter) where the inter query range of
+    a key chunk is cut into more than BF16_PIECES pieces (summed in float32 first: key chunk 0,
+    38 query rows, at budget 1), else once per piece: never more than 2 + BF16_PIECES times."""
+    monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: budget)
+    adds = torch.zeros(SEQ, dtype=torch.int64)
+    add_dkv = dca_backward._add_dkv
+
+    def counted(plan, doc, start: int, dk: torch.Tensor, dv: torch.Tensor,
+                accumulate: bool) -> None:
+        adds[doc.start + start:doc.start + start + dk.shape[0]] += 1
+        add_dkv(plan, doc, start, dk, dv, accumulate)
+
+    monkeypatch.setattr(dca_backward, "_add_dkv", counted)
+    assert_matches_reference(1, SEQ, 2, 2, 8, chunk_size=CHUNK, local_size=LOCAL)
+    assert int(adds.max()) <= 2 + dca_backward.BF16_PIECES, adds.tolist()
+    if budget == 1:
+        assert adds[:LENGTH].tolist() == [3] * LENGTH
+
+
 def test_bounded_calls_with_length_scaling(monkeypatch: pytest.MonkeyPatch) -> None:
     """The logit factors follow the rows of a cut call (query rows rotated and scaled per call)."""
     monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: 9)
@@ -122,5 +144,5 @@ def test_query_pieces_are_even_and_cover_the_range() -> None:
 
 
 def test_the_default_budget_is_a_quarter_of_the_tokens() -> None:
-    assert dca_backward.rows_per_call(131072) == 32768
+    assert dca_backward.rows_per_call(131072) == 21845
     assert dca_backward.rows_per_call(8192) == dca_backward.MIN_ROWS_PER_CALL

@@ -4,7 +4,7 @@ Every call's kernel backward gets the merged out and lse (lse_attention.py), so 
 are exact terms of the full gradient. Memory is what this file is arranged around: cuDNN's
 causal backward holds about six copies of q (out, dq, dk, dv and its float32 dq accumulator),
 and everything here beyond the mandatory out, dq, dk, dv is kept to a fraction of that:
-- a kernel call reads at most `rows_per_call` query rows (a quarter of the tokens, at least
+- a kernel call reads at most `rows_per_call` query rows (a sixth of the tokens, at least
   MIN_ROWS_PER_CALL): batched chunk calls are cut into groups of chunks, the inter staircase's
   query range into pieces, so a kernel's own gradients and workspace stay a fraction of q's;
 - each call rotates just the q and k rows it reads (one memory-bound pass each), so no rotated
@@ -15,8 +15,9 @@ and everything here beyond the mandatory out, dq, dk, dv is kept to a fraction o
   sum is taken in float32 and rounded once per add);
 - the inter staircase, whose calls overlap, sums the overlaps that grow with the chunk count in
   float32 first (dq for MHA, dk/dv for GQA), so a document of many chunks does not round once
-  per chunk. A bf16 dq is rounded at most three times; dk and dv three times, or six for MHA
-  keys whose inter query range is cut into (at most four) pieces.
+  per chunk. A bf16 dq is rounded at most three times; dk and dv three times, or at most six
+  for MHA keys whose inter query range is cut into pieces (up to BF16_PIECES pieces add one by
+  one; more sum in float32 buffers of one chunk's rows first).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ from models.attention.dca.plan import DCAPlan
 from models.attention.lse_attention import attention_backward
 from models.attention.rope import rotate_transpose_sum
 
-# A call's query rows: at most a quarter of the tokens, but never fewer than this many (below
+# A call's query rows: at most a sixth of the tokens, but never fewer than this many (below
 # it the calls get too small to fill the GPU, and at 8K the budget is one call per part).
 MIN_ROWS_PER_CALL = 8192
+# An MHA key chunk whose inter query range is cut into more pieces than this sums its dk/dv in
+# float32 first (one chunk's rows), so they are not rounded once per piece.
+BF16_PIECES = 4
 
 
 class _Document(NamedTuple):
@@ -64,7 +68,7 @@ class _Document(NamedTuple):
 
 def rows_per_call(tokens: int) -> int:
     """The most query rows one kernel call of the backward reads, for `tokens` in the batch."""
-    return max(tokens // 4, MIN_ROWS_PER_CALL)
+    return max(tokens // 6, MIN_ROWS_PER_CALL)
 
 
 def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -182,16 +186,19 @@ def _inter_by_query_chunk(plan: DCAPlan, scale: float, doc: _Document) -> None:
 def _inter_by_key_chunk(plan: DCAPlan, scale: float, doc: _Document, budget: int) -> None:
     """The inter staircase cut per key chunk j (queries from chunk j + 2 on), each query range
     cut again into pieces of at most `budget` rows. dq overlaps across key chunks and sums in
-    a float32 buffer (rounded once); a key chunk's dk/dv are added once per piece (at most
-    four: pieces have at least a quarter of the tokens), which keeps every buffer but that
-    one smaller than a kernel call's. The cut for MHA, whose q is no bigger than k and v."""
+    a float32 buffer (rounded once); a key chunk's dk/dv are added once per piece, or, past
+    BF16_PIECES pieces, summed in float32 buffers of one chunk's rows and added once. Every
+    buffer but dq's stays smaller than a kernel call's. The cut for MHA, whose q is no bigger
+    than k and v."""
     length = plan.length
     first = 2 * length  # the first inter query row
     acc_q = torch.empty(doc.n - first, *doc.dq.shape[1:], dtype=plan.cos.dtype,
                         device=doc.dq.device)
     for j in range(-(-doc.n // length) - 2):
         k_rot = _rotated_k(plan, doc, j * length, length)
-        for q0, rows in _pieces_of((j + 2) * length, doc.n, budget):
+        pieces = _pieces_of((j + 2) * length, doc.n, budget)
+        acc_k = acc_v = None
+        for i, (q0, rows) in enumerate(pieces):
             call = Call(INTER, q0, rows, 1, j * length, length, False)
             q_rot = _rotated_q(plan, doc, INTER, q0, rows)
             dq_c, dk_c, dv_c = (g[0].transpose(0, 1)
@@ -202,7 +209,15 @@ def _inter_by_key_chunk(plan: DCAPlan, scale: float, doc: _Document, budget: int
                 acc_rows.copy_(dq_c)
             else:
                 acc_rows.add_(dq_c)
-            _add_dkv(plan, doc, j * length, dk_c, dv_c, accumulate=True)
+            if len(pieces) <= BF16_PIECES:
+                _add_dkv(plan, doc, j * length, dk_c, dv_c, accumulate=True)
+            elif i == 0:
+                acc_k, acc_v = dk_c.to(plan.cos.dtype), dv_c.to(plan.cos.dtype)
+            else:
+                acc_k.add_(dk_c)
+                acc_v.add_(dv_c)
+        if acc_k is not None:
+            _add_dkv(plan, doc, j * length, acc_k, acc_v, accumulate=True)
     _add_dq(plan, doc, INTER, first, acc_q, accumulate=True)
 
 
