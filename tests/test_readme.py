@@ -139,7 +139,7 @@ def run_module(words: list[str], cwd: Path, env: dict[str, str],
     if child.exitcode is None:
         child.kill()
         child.join()
-    output = log.read_text()
+    output = log.read_text() if log.exists() else "(the child wrote nothing)"
     return subprocess.CompletedProcess(words, child.exitcode, output, "")
 
 
