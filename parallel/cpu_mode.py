@@ -193,3 +193,10 @@ def disable_cpu_mode() -> None:
             delattr(owner, name)
         else:
             setattr(owner, name, original)
+
+
+def end_cpu_work() -> None:
+    """After a process's CPU work: on a GPU host undo the patches, since the process may use the
+    GPU next; without CUDA keep them (nothing else can run there)."""
+    if torch.cuda.is_available():
+        disable_cpu_mode()

@@ -11,7 +11,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
-from parallel.cpu_mode import disable_cpu_mode, enable_cpu_mode
+from parallel.cpu_mode import enable_cpu_mode, end_cpu_work
 from parallel.placement import Layout, PlacementError, layout_problems
 from parallel.process_group import join_process_group
 from parallel.torch_adam import enable_torch_adam_checkpoints
@@ -94,8 +94,7 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if torch.cuda.is_available():
-        disable_cpu_mode()
+    end_cpu_work()
 
 
 def wrap_model(model: MegatronModule, *, distributed_optimizer: bool,

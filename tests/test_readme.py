@@ -111,7 +111,7 @@ def _run_module_here(args: list[str], cwd: str, env: dict[str, str], log: str) -
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
-    sys.argv = [args[0], *args[1:]]  # argv[0] becomes the module's file, as under -m
+    sys.argv = list(args)  # run_module makes argv[0] the module's file, as under -m
     code: int | str | None = 0
     try:
         runpy.run_module(args[0], run_name="__main__", alter_sys=True)

@@ -30,6 +30,7 @@ from models.attention.cp_variants import (
 )
 from models.attention.dca.attention import dual_chunk_attention
 from tests.conftest import FAST, free_port, read_metrics, run_cli
+from tests.gpu.test_fa4_gpu import counting_fa4_calls
 from tests.models.test_context_parallel import cp_slice
 
 pytestmark = [pytest.mark.gpu,
@@ -76,16 +77,8 @@ def _check_functions(rank: int, port: int, root: str, kernel: str) -> None:
                       MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    fa4_calls = [0]
-    fa4_forward = lse_attention._FORWARDS["fa4"]
-
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        fa4_calls[0] += 1
-        return fa4_forward(*args, **kwargs)
-
-    lse_attention._FORWARDS["fa4"] = counted
     try:
-        with kernels.using(kernel):
+        with counting_fa4_calls() as fa4_calls, kernels.using(kernel):
             gen = torch.Generator(device="cuda").manual_seed(0)
             q, dout = (torch.randn(1, SEQ, HQ, DIM, device="cuda", generator=gen) for _ in range(2))
             k, v = (torch.randn(1, SEQ, HK, DIM, device="cuda", generator=gen) for _ in range(2))
@@ -94,12 +87,12 @@ def _check_functions(rank: int, port: int, root: str, kernel: str) -> None:
                 reference = [cp_slice(x, 2, rank) for x in _run(single, [q, k, v], dout)]
                 bf16 = [x.bfloat16() for x in (q, k, v, dout)]
                 one_gpu = [cp_slice(x, 2, rank) for x in _run(single, bf16[:3], bf16[3])]
-                before = fa4_calls[0]
+                before = fa4_calls["fwd"]
                 pieces = [cp_slice(x, 2, rank) for x in bf16]
                 cp = _run(cp_fn, pieces[:3], pieces[3], group=dist.group.WORLD)
                 found[name] = {"cp": _relative_errors(cp, reference),
                                "one_gpu": _relative_errors(one_gpu, reference),
-                               "fa4_part_calls": fa4_calls[0] - before}
+                               "fa4_part_calls": fa4_calls["fwd"] - before}
         found["refused"] = sorted(str(key) for key in lse_attention.REFUSED)
         Path(root, f"rank{rank}.json").write_text(json.dumps(found))
     finally:

@@ -10,6 +10,9 @@ Context parallelism's ring parts run the same LSE part calls; their CP=2 test
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -32,10 +35,11 @@ pytestmark = [pytest.mark.gpu,
 D = 128
 
 
-@pytest.fixture(autouse=True)
-def fa4_counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Run under kernel fa4, count the FA4 LSE calls, and fail if any call fell back."""
+@contextlib.contextmanager
+def counting_fa4_calls() -> Iterator[dict[str, int]]:
+    """Count FA4's LSE forward and backward calls (lse_attention's fa4 entries) in the block."""
     counts = {"fwd": 0, "bwd": 0}
+    saved = lse_attention._FORWARDS["fa4"], lse_attention._BACKWARDS["fa4"]
 
     def counted(name: str, fn):  # noqa: ANN001, ANN202
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -43,10 +47,19 @@ def fa4_counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setitem(lse_attention._FORWARDS, "fa4", counted("fwd", kernels.fa4_forward))
-    monkeypatch.setitem(lse_attention._BACKWARDS, "fa4", counted("bwd", kernels.fa4_backward))
+    lse_attention._FORWARDS["fa4"] = counted("fwd", saved[0])
+    lse_attention._BACKWARDS["fa4"] = counted("bwd", saved[1])
+    try:
+        yield counts
+    finally:
+        lse_attention._FORWARDS["fa4"], lse_attention._BACKWARDS["fa4"] = saved
+
+
+@pytest.fixture(autouse=True)
+def fa4_counted() -> Iterator[dict[str, int]]:
+    """Run under kernel fa4, count the FA4 LSE calls, and fail if any call fell back."""
     lse_attention.REFUSED.clear()
-    with kernels.using("fa4"):
+    with counting_fa4_calls() as counts, kernels.using("fa4"):
         yield counts
     assert not lse_attention.REFUSED, f"FA4 refused calls: {lse_attention.REFUSED}"
 

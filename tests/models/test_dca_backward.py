@@ -143,6 +143,6 @@ def test_query_pieces_are_even_and_cover_the_range() -> None:
     assert dca_backward._pieces_of(0, 10, 3) == [(0, 3), (3, 3), (6, 2), (8, 2)]
 
 
-def test_the_default_budget_is_a_quarter_of_the_tokens() -> None:
+def test_the_default_budget_is_a_sixth_of_the_tokens() -> None:
     assert dca_backward.rows_per_call(131072) == 21845
     assert dca_backward.rows_per_call(8192) == dca_backward.MIN_ROWS_PER_CALL

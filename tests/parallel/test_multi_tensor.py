@@ -9,16 +9,17 @@ from megatron.core import utils as megatron_utils
 from megatron.core.optimizer import clip_grads, optimizer
 
 from parallel import multi_tensor
-from parallel.cpu_mode import disable_cpu_mode, enable_cpu_mode
+from parallel.cpu_mode import enable_cpu_mode, end_cpu_work
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _cpu_mode():
     """megatron's fallback norm puts its result on "cuda": the CPU here (also on a GPU host)."""
-    enabled = enable_cpu_mode()
-    yield
-    if enabled:
-        disable_cpu_mode()
+    if enable_cpu_mode():
+        yield
+        end_cpu_work()
+    else:
+        yield
 
 
 def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
