@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention import kernels, lse_attention
+from models.attention.dca import grouped
 from models.attention.dca.attention import dual_chunk_attention
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,10 +109,19 @@ def fa4() -> Variant:
 
 
 def dca(chunk_size: int, local_size: int, name: str = "dca",
-        cuda_graphs: bool = False, kernel: str = "cudnn") -> Variant:
+        cuda_graphs: bool = False, kernel: str = "cudnn", one_call: bool | None = None,
+        ) -> Variant:
+    """`one_call`: under fa4, force DCA's one-call path (True) or its part calls (False);
+    None: the default rule (dca/grouped.py's MAX_TOKENS)."""
+    max_tokens = {None: grouped.MAX_TOKENS, True: 1 << 40, False: 0}[one_call]
+
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
-                                    cuda_graphs=cuda_graphs)
+        default, grouped.MAX_TOKENS = grouped.MAX_TOKENS, max_tokens
+        try:
+            return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
+                                        cuda_graphs=cuda_graphs)
+        finally:
+            grouped.MAX_TOKENS = default
     return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops,
                    peak_complete=not cuda_graphs, kernel=kernel)
 
@@ -143,6 +153,17 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4", kernel="fa4"),
     "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
                                    kernel="fa4"),
+    # DCA on FA4 forced onto its part calls / its one block-sparse call each way (grouped.py)
+    "dca_fa4_parts": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4_parts", kernel="fa4",
+                                   one_call=False),
+    "dca_fa4_one_call": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4_one_call",
+                                      kernel="fa4", one_call=True),
+    "dca_small_fa4_parts": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
+                                         "dca_fa4_parts", kernel="fa4", one_call=False),
+    "dca_small_fa4_one_call": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
+                                            "dca_fa4_one_call", kernel="fa4", one_call=True),
+    "dca_small_graphs_fa4_parts": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
+                                                "dca_graphs_fa4_parts", True, "fa4", False),
     "chunked_fa4": lambda a: chunked(a.chunked_size, "fa4"),
     "dca_graphs_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs_fa4", True, "fa4"),
     "dca_small_graphs_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,

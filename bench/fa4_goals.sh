@@ -7,10 +7,13 @@
 #   small   bench.attention at 8K, DCA with C = 2048 (cuDNN, FA4), one call and 20 back to back
 #   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
 #           C = 2048 and 32K C = 8192, one call per sample
+#   onecall DCA on FA4 as its part calls against its one block-sparse call each way
+#           (models/attention/dca/grouped.py): 8K C = 2048 synchronised, back to back and as
+#           CUDA graphs; 16K with C = 8192 and 2048 back to back (where MAX_TOKENS comes from)
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
-#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small train
+#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small onecall train
 set -uo pipefail
 OUT=${OUT:?set OUT to the output directory}
 PYTHON=${PYTHON:-python}
@@ -38,6 +41,16 @@ for stage in "$@"; do
               --warmup 3 --variants sdpa_cudnn,fa4,dca_small_graphs,dca_small_graphs_fa4,dca_graphs_fa4 \
               --out "$OUT/attention_graphs.json" > "$OUT/attention_graphs.log" 2>&1
             grep -E "^\| (8192|32768)" "$OUT/attention_graphs.log" ;;
+    onecall) A=("$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4)
+             V=sdpa_cudnn,fa4,dca_small,dca_small_fa4_parts,dca_small_fa4_one_call
+             { "${A[@]}" --seqs 8192 --variants $V --out "$OUT/s8k.json"
+               "${A[@]}" --seqs 8192 --back-to-back 20 --variants $V --out "$OUT/b8k.json"
+               "${A[@]}" --seqs 8192 --out "$OUT/g8k.json" \
+                 --variants sdpa_cudnn,fa4,dca_small_graphs_fa4_parts,dca_small_graphs_fa4
+               "${A[@]}" --seqs 16384 --back-to-back 10 --out "$OUT/b16k.json" \
+                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4_one_call,dca_small_fa4_parts,dca_small_fa4_one_call
+             } > "$OUT/bench.log" 2>&1
+             grep -E "^\| (8192|16384)" "$OUT/bench.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \

@@ -1,15 +1,18 @@
 """Dual Chunk Attention's fused GPU path (cuDNN kernels, Triton rotations and merges) in bf16
-against the float64 reference, and its memory growth."""
+against the float64 reference, and its memory growth: under attention.kernel=cudnn (the FA4
+paths, part calls and one call, are test_fa4_gpu.py's)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from models.attention import kernels
 from models.attention.dca import backward as dca_backward
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
@@ -17,6 +20,12 @@ from tests.reference import document_ids, positions_in_document, rope_rotate
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def cudnn_kernels() -> Iterator[None]:
+    with kernels.using("cudnn"):
+        yield
 
 
 def dca_reference_by_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int,

@@ -1,8 +1,9 @@
 """Every FlashAttention-4 path (attention.kernel=fa4, models/attention/kernels.py) in bf16
 against the float64 references: standard causal (flash_attn_func, varlen for packed documents),
 the LSE part calls with a merged-LSE backward (DCA's parts; the kept-attention causal path of
-full recompute), chunked attention (one varlen call over the chunks); MHA and GQA; outputs and
-gradients. Each test also checks that FA4 ran: no call fell back to cuDNN.
+full recompute), DCA's parts as one block-sparse call each way (dca/grouped.py), chunked
+attention (one varlen call over the chunks); MHA and GQA; outputs and gradients. Each test
+also checks that FA4 ran: no call fell back to cuDNN.
 
 Context parallelism's ring parts run the same LSE part calls; their CP=2 test
 (test_context_parallel_gpu.py) needs two GPUs.
@@ -11,6 +12,7 @@ Context parallelism's ring parts run the same LSE part calls; their CP=2 test
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +21,9 @@ import torch
 from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
+from models.attention.dca import grouped
 from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.scaling import DCAScaling
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
 from tests.reference import causal_mask, dense_attention, document_ids, positions_in_document
 
@@ -126,41 +130,80 @@ def test_chunked(hk: int, packed: bool) -> None:
                    causal_mask(seq) & same, *_inputs(seq, 8, hk)))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
-def test_dca_parts(hk: int, packed: bool, fa4_counted: dict[str, int]) -> None:
-    """DCA's intra/successive/inter part calls with their LSE, merged; the backward calls FA4
-    with the merged out/LSE (test_dca_gpu.py's shapes: 4 chunks of L = 896 and a tail)."""
-    seq, hq, chunk, local = 4096, 8, 1024, 128
-    q, k, v, dout = _inputs(seq, hq, hk)
-    cu = torch.tensor([0, 700, 2500, 2600, seq], dtype=torch.int32, device="cuda") if packed \
-        else None
-    out = dual_chunk_attention(q, k, v, chunk_size=chunk, local_size=local, cu_seqlens=cu)
+@pytest.fixture
+def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+             fa4_counted: dict[str, int]) -> Iterator[str]:
+    """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
+    group) or "one call" (grouped.py: the parts as one call's batch); checks that it ran."""
+    taken = {"forward": 0, "backward": 0}
+    if request.param == "parts":
+        monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
+
+    def counting(name: str):  # noqa: ANN202
+        fn = getattr(grouped, name)
+
+        def counted(*args):  # noqa: ANN002, ANN202
+            taken[name] += 1
+            return fn(*args)
+        return counted
+
+    for name in taken:
+        monkeypatch.setattr(grouped, name, counting(name))
+    yield request.param
+    if request.param == "parts":
+        assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0 and not any(taken.values())
+    else:
+        assert fa4_counted == {"fwd": 0, "bwd": 0} and taken["forward"] and taken["backward"]
+
+
+def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None = None,  # noqa: ANN001
+                factors: torch.Tensor | None = None, **kwargs) -> list[float]:  # noqa: ANN003
+    out = dual_chunk_attention(q, k, v, chunk_size=chunk, local_size=local, cu_seqlens=cu,
+                               **kwargs)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref, leaves = dca_reference_by_part(q, k, v, chunk, local, cu)
+    ref, leaves = dca_reference_by_part(q, k, v, chunk, local, cu, part_factors=factors)
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
     errors = [rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
     print("relative errors out, dq, dk, dv:", errors)
-    _check(errors)
-    assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
+    return errors
+
+
+@pytest.mark.parametrize("dca_path", ["parts", "one call"], indirect=True)
+@pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
+def test_dca(hk: int, dca_path: str) -> None:
+    """DCA's intra/successive/inter parts with their LSE, merged; the backward calls FA4 with
+    the merged out/LSE (test_dca_gpu.py's shapes: 4 chunks of L = 896 and a tail)."""
+    _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128))
+
+
+@pytest.mark.parametrize("dca_path", ["one call"], indirect=True)
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_one_call_long_chunks(hk: int, dca_path: str) -> None:
+    """L = 1024 (C = 2048, w = 1024, the 8K benchmark's) over 6 chunks: every part has
+    blocks; q scaled on two parts (Llama 4's log scaling, its floor small enough to vary)."""
+    seq, chunk, local = 6144, 2048, 1024
+    f = [1 + 0.1 * math.log(math.floor((p + 1) / 512) + 1) for p in range(seq)]
+    factors = torch.tensor([[1.0, x, x] for x in f], dtype=torch.float64)
+    scaling = DCAScaling("log", "succ_inter", attn_scale=0.1, floor_scale=512)
+    _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
 @pytest.mark.parametrize("hk", [8, 2])
-def test_dca_parts_replayed_as_cuda_graphs(hk: int, fa4_counted: dict[str, int]) -> None:
-    """FA4's part calls captured in DCA's CUDA graphs (dca_graphs.py): the replays compute
-    the same function (fresh inputs copied into the captured ones)."""
-    seq, hq, chunk, local = 4096, 8, 1024, 128
-    for seed in (0, 1):  # the first call captures, the second replays on new data
-        q, k, v, dout = _inputs(seq, hq, hk, seed)
-        out = dual_chunk_attention(q, k, v, chunk_size=chunk, local_size=local,
-                                   cuda_graphs=True)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        ref, leaves = dca_reference_by_part(q, k, v, chunk, local)
-        ref_grads = torch.autograd.grad(ref, leaves, dout.double())
-        errors = [rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
-        print("graphs, relative errors out, dq, dk, dv:", errors)
-        _check(errors)
+def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -> None:
+    """Packed documents: FA4's block-sparse backward has no varlen, so the part calls (LSE
+    calls, which the one-call path never makes) run though the problem is small."""
+    cu = torch.tensor([0, 700, 2500, 2600, 4096], dtype=torch.int32, device="cuda")
+    _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128, cu))
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
+
+
+@pytest.mark.parametrize("dca_path", ["parts", "one call"], indirect=True)
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_replayed_as_cuda_graphs(hk: int, dca_path: str) -> None:
+    """FA4's DCA calls captured in DCA's CUDA graphs (graphs.py): the replays compute the same
+    function (fresh inputs copied into the captured ones)."""
+    for seed in (0, 1):  # the first call captures, the second replays on new data
+        _check(_dca_errors(*_inputs(4096, 8, hk, seed), 1024, 128, cuda_graphs=True))
 
 
 def test_lse_forward_matches_the_math_path() -> None:

@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 
 from models.attention import kernels
 from models.attention.causal import causal_attention
+from models.attention.dca import grouped
 from models.attention.dca.backward import dca_backward
 from models.attention.dca.calls import INTER, Call, blocks, document_calls
 from models.attention.dca.graphs import DCAGraphs, graphs_for
@@ -75,7 +76,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
 
     One part at a time, so only its rotated q is alive; intra and successive partials wait for
     their chunk's inter call, and each chunk merges right after it, so partials die early.
+    Small FA4 problems take one call for all parts instead (grouped.py).
     """
+    if grouped.applies(plan, q):
+        return grouped.forward(q, k, v, plan, scale)
     batch, seq, heads, _ = q.shape
     k_rot = plan.rotate_k(k)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [b, s, hq, d]
@@ -157,7 +161,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     if (cuda_graphs and bounds is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and not torch.cuda.is_current_stream_capturing()):
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
-               float(mscale), scale, scaling, rope_scaling, kernels.active())
+               float(mscale), scale, scaling, rope_scaling, kernels.active(),
+               grouped.applies(plan, q))
         graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 

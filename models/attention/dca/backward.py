@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from models.attention.dca import grouped
 from models.attention.dca.calls import (
     INTER,
     INTRA,
@@ -74,7 +75,10 @@ def rows_per_call(tokens: int) -> int:
 def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]."""
+    """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]. Small FA4
+    problems take one call for all parts (grouped.py)."""
+    if grouped.applies(plan, q):
+        return grouped.backward(plan, scale, q, k, v, out, lse, dout)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])
     for b, start, n in plan.docs:

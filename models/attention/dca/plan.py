@@ -24,6 +24,7 @@ class DCAPlan:
                  rope_scaling: RopeScaling | None = None) -> None:
         batch, seq, _, head_dim = q.shape
         self.length = chunk_size - local_size
+        self.packed = bounds is not None  # documents given by cu_seqlens
         if bounds is None:
             self.docs = [(b, 0, seq) for b in range(batch)]
         else:

@@ -1,0 +1,85 @@
+"""DCA as one FA4 call each way (models/attention/dca/grouped.py), its CPU-checkable half: the
+block-sparse lists against the dense part masks of SPEC.md's table, and when the path applies.
+The kernel calls themselves run in tests/gpu/test_fa4_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention import kernels
+from models.attention.dca import grouped
+from models.attention.dca.plan import DCAPlan
+from models.attention.dca.scaling import DCAScaling
+
+BLOCK = grouped.BLOCK
+
+
+def part_masks(seq: int, length: int) -> torch.Tensor:
+    """[3, s_q, s_k] which keys each query meets in each part (SPEC.md), from positions."""
+    pos = torch.arange(seq)
+    n_q, n_k = (pos // length)[:, None], (pos // length)[None, :]
+    causal = pos[None, :] <= pos[:, None]
+    return torch.stack([(n_k == n_q) & causal, n_k == n_q - 1, n_k <= n_q - 2])
+
+
+def listed(count: torch.Tensor, index: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[p, rows, blocks] bool: the blocks a count/index list names."""
+    out = torch.zeros(*count.shape, blocks, dtype=torch.bool)
+    for p, r in torch.cartesian_prod(torch.arange(count.shape[0]), torch.arange(count.shape[1])):
+        out[p, r, index[p, r, :count[p, r]].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("by_key", [False, True])
+@pytest.mark.parametrize(("seq", "length"), [(2048, 256), (3072, 512), (1024, 128)])
+def test_block_lists_match_the_dense_part_masks(seq: int, length: int, by_key: bool) -> None:
+    blocks = seq // BLOCK
+    masks = part_masks(seq, length)  # [3, sq, sk]
+    if by_key:
+        masks = masks.transpose(1, 2)  # rows are keys
+    tiles = masks.unflatten(1, (blocks, BLOCK)).unflatten(3, (blocks, BLOCK))  # [3, R, B, C, B]
+    every, some = tiles.all(dim=(2, 4)), tiles.any(dim=(2, 4))  # [3, rows, cols]
+    masked_count, masked_index, full_count, full_index = grouped.block_lists(
+        seq, length, 3, by_key)
+    full = listed(full_count, full_index, blocks)
+    masked = listed(masked_count, masked_index, blocks)
+    assert torch.equal(full, every)  # full blocks: every pair meets
+    assert torch.equal(masked, some & ~every)  # the rest of what any pair meets: masked
+    # ascending, packed left
+    for p, r in zip(*torch.nonzero(full_count > 1, as_tuple=True)):
+        named = full_index[p, r, :full_count[p, r]]
+        assert torch.all(named.diff() > 0)
+    # the masked blocks are intra's diagonal, where the kernel's causal mask (key <= query) is
+    # exactly the part's mask
+    assert masked_count[1:].sum() == 0 and torch.all(masked_count[0] == 1)
+    diagonal = tiles[0, torch.arange(blocks), :, torch.arange(blocks)]  # [blocks, B, B]
+    causal = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
+    assert torch.equal(diagonal, (causal.T if by_key else causal).expand_as(diagonal))
+
+
+def test_block_lists_drop_parts_a_short_sequence_lacks() -> None:
+    lists = grouped.block_lists(512, 256, 2, by_key=False)  # two chunks: no inter part
+    assert all(x.shape[0] == 2 for x in lists)
+
+
+def _plan(seq: int, chunk: int, local: int, cu: list[int] | None = None) -> DCAPlan:
+    q = torch.zeros(1, seq, 4, 64)
+    return DCAPlan(q, chunk, local, 10000.0, 1.0, cu, DCAScaling())
+
+
+@pytest.mark.parametrize(("seq", "chunk", "local", "cu", "expected"), [
+    (4096, 1024, 128, None, True),  # L = 896 = 7 blocks
+    (4096, 1024, 100, None, False),  # L = 924: blocks would straddle chunks
+    (4000, 1024, 128, None, False),  # a partial last block
+    (4096, 1024, 128, [0, 1000, 4096], False),  # packed: FA4's sparse backward has no varlen
+    (32768, 8192, 1024, None, False),  # above MAX_TOKENS: the bounded part calls
+])
+def test_applies_only_where_the_one_call_is_exact_and_small(
+        seq: int, chunk: int, local: int, cu: list[int] | None, expected: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.zeros(1, seq, 4, 64)
+    monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
+    assert grouped.applies(_plan(seq, chunk, local, cu), q) is expected
+    monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)  # CPU, other kernels
+    assert grouped.applies(_plan(seq, chunk, local, cu), q) is False
