@@ -188,6 +188,17 @@ def test_dca_one_call_long_chunks(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
+@pytest.mark.parametrize("dca_path", ["one call"], indirect=True)
+def test_dca_one_call_batch_and_head_dim(dca_path: str) -> None:
+    """Batch 2 (K/V then copied per part, the parts part-major in the call's batch) and head
+    dim 64 (FA4's other tile shapes), GQA."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2048, h, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (8, 2, 2))
+    dout = torch.randn_like(q)
+    _check(_dca_errors(q, k, v, dout, 512, 128))
+
+
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -> None:
     """Packed documents: FA4's block-sparse backward has no varlen, so the part calls (LSE
