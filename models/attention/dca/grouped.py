@@ -21,7 +21,7 @@ block-sparse backward has no varlen), the chunk length L and the sequence multip
 (each block then lies in one query chunk and one key chunk: only intra's diagonal blocks are
 partly masked), and at most MAX_TOKENS tokens, since it holds every part's rotated q, out and
 gradients at once (about three times q's size each), which the part-call path bounds. K/V, the
-merged out, dout and lse enter as stride-0 views over the parts, not copies.
+merged out, dout and lse enter as stride-0 views over the parts (copies for batch > 1).
 """
 
 from __future__ import annotations
