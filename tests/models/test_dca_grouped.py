@@ -9,8 +9,7 @@ import torch
 
 from models.attention import kernels
 from models.attention.dca import grouped
-from models.attention.dca.plan import DCAPlan
-from models.attention.dca.scaling import DCAScaling
+from models.attention.dca.attention import dual_chunk_attention
 
 BLOCK = grouped.BLOCK
 
@@ -63,11 +62,6 @@ def test_block_lists_drop_parts_a_short_sequence_lacks() -> None:
     assert all(x.shape[0] == 2 for x in lists)
 
 
-def _plan(seq: int, chunk: int, local: int, cu: list[int] | None = None) -> DCAPlan:
-    q = torch.zeros(1, seq, 4, 64)
-    return DCAPlan(q, chunk, local, 10000.0, 1.0, cu, DCAScaling())
-
-
 @pytest.mark.parametrize(("seq", "chunk", "local", "cu", "expected"), [
     (4096, 1024, 128, None, True),  # L = 896 = 7 blocks
     (4096, 1024, 100, None, False),  # L = 924: blocks would straddle chunks
@@ -80,6 +74,24 @@ def test_applies_only_where_the_one_call_is_exact_and_small(
         monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.zeros(1, seq, 4, 64)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
-    assert grouped.applies(_plan(seq, chunk, local, cu), q) is expected
+    assert grouped.applies(q, chunk - local, cu is not None) is expected
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)  # CPU, other kernels
-    assert grouped.applies(_plan(seq, chunk, local, cu), q) is False
+    assert grouped.applies(q, chunk - local, cu is not None) is False
+
+
+def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward and the backward follow the plan's choice, not the rule at their own time
+    (a benchmark forcing a path around the forward only must still time that path)."""
+    monkeypatch.setattr(grouped, "applies", lambda q, length, packed: True)
+    taken: list[str] = []
+    monkeypatch.setattr(grouped, "forward", lambda *args: taken.append("forward") or (
+        torch.zeros_like(args[0]), torch.zeros(args[0].shape[0], args[0].shape[2],
+                                               args[0].shape[1], dtype=torch.float64)))
+    monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, *rest: taken.append(
+        "backward") or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4)
+    monkeypatch.setattr(grouped, "applies", lambda q, length, packed: False)
+    out.sum().backward()
+    assert taken == ["forward", "backward"]

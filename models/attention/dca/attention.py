@@ -78,7 +78,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
     their chunk's inter call, and each chunk merges right after it, so partials die early.
     Small FA4 problems take one call for all parts instead (grouped.py).
     """
-    if grouped.applies(plan, q):
+    if plan.one_call:
         return grouped.forward(q, k, v, plan, scale)
     batch, seq, heads, _ = q.shape
     k_rot = plan.rotate_k(k)
@@ -152,7 +152,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     plan = DCAPlan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                 scaling or DCAScaling(), rope_scaling)
+                   scaling or DCAScaling(), rope_scaling,
+                   one_call=grouped.applies(q, chunk_size - local_size, bounds is not None))
     if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
@@ -162,7 +163,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
             and not torch.cuda.is_current_stream_capturing()):
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
                float(mscale), scale, scaling, rope_scaling, kernels.active(),
-               grouped.applies(plan, q))
+               plan.one_call)
         graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 

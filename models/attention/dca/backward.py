@@ -77,7 +77,7 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]. Small FA4
     problems take one call for all parts (grouped.py)."""
-    if grouped.applies(plan, q):
+    if plan.one_call:
         return grouped.backward(plan, scale, q, k, v, out, lse, dout)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])

@@ -41,12 +41,12 @@ BLOCK = 128  # FA4's SM90 tile (and block-sparse block) for head_dim <= 128
 MAX_TOKENS = 8192
 
 
-def applies(plan: DCAPlan, q: torch.Tensor) -> bool:
-    """Whether DCA on q runs as one FA4 call each way (see the module docstring)."""
+def applies(q: torch.Tensor, length: int, packed: bool) -> bool:
+    """Whether DCA on q with chunk length `length` (packed: documents given) runs as one FA4
+    call each way (see the module docstring). Decided once per call, in its DCAPlan."""
     batch, seq, _, head_dim = q.shape
-    return (kernels.fa4_applies(q) and not plan.packed and plan.length % BLOCK == 0
-            and seq % BLOCK == 0 and batch * seq <= MAX_TOKENS and head_dim <= 128
-            and head_dim % 8 == 0)
+    return (kernels.fa4_applies(q) and not packed and length % BLOCK == 0 and seq % BLOCK == 0
+            and batch * seq <= MAX_TOKENS and head_dim <= 128 and head_dim % 8 == 0)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,

@@ -21,10 +21,12 @@ class DCAPlan:
 
     def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
                  mscale: float, bounds: list[int] | None, scaling: DCAScaling,
-                 rope_scaling: RopeScaling | None = None) -> None:
+                 rope_scaling: RopeScaling | None = None, one_call: bool = False) -> None:
         batch, seq, _, head_dim = q.shape
         self.length = chunk_size - local_size
-        self.packed = bounds is not None  # documents given by cu_seqlens
+        # both passes as one FA4 call each (grouped.py) rather than the part calls: chosen by
+        # the caller once, so forward, backward and CUDA graphs agree
+        self.one_call = one_call
         if bounds is None:
             self.docs = [(b, 0, seq) for b in range(batch)]
         else:
