@@ -9,7 +9,8 @@
 #           C = 2048 and 32K C = 8192, one call per sample
 #   onecall DCA on FA4 as its part calls against its one block-sparse call each way
 #           (models/attention/dca/grouped.py): 8K C = 2048 synchronised, back to back and as
-#           CUDA graphs; 16K with C = 8192 and 2048 back to back (where MAX_TOKENS comes from)
+#           CUDA graphs; 16K with C = 8192 and 2048 back to back and 32K synchronised (where
+#           MAX_TOKENS comes from)
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
@@ -49,8 +50,10 @@ for stage in "$@"; do
                  --variants sdpa_cudnn,fa4,dca_small_graphs_fa4_parts,dca_small_graphs_fa4
                "${A[@]}" --seqs 16384 --back-to-back 10 --out "$OUT/b16k.json" \
                  --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4_one_call,dca_small_fa4_parts,dca_small_fa4_one_call
+               "${A[@]}" --seqs 32768 --out "$OUT/s32k.json" \
+                 --variants fa4,dca_fa4_parts,dca_fa4_one_call
              } > "$OUT/bench.log" 2>&1
-             grep -E "^\| (8192|16384)" "$OUT/bench.log" ;;
+             grep -E "^\| (8192|16384|32768)" "$OUT/bench.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \

@@ -38,7 +38,7 @@ from models.attention.rope import rotate_transpose_sum
 BLOCK = 128  # FA4's SM90 tile (and block-sparse block) for head_dim <= 128
 # Up to this many tokens (batch x sequence) DCA takes one call each way; above, the part calls
 # (bounded memory). Measured: docs/benchmarks.md, "DCA in one FA4 call each way".
-MAX_TOKENS = 8192
+MAX_TOKENS = 16384
 
 
 def applies(q: torch.Tensor, length: int, packed: bool) -> bool:
