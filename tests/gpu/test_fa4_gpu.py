@@ -21,7 +21,7 @@ import torch
 from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.dca import grouped
+from models.attention.dca import fa4_backward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
@@ -134,8 +134,9 @@ def test_chunked(hk: int, packed: bool) -> None:
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group) or "one call" (grouped.py: the parts as one call's batch); checks that it ran."""
-    taken = {"forward": 0, "backward": 0}
+    group) or "one call" (grouped.py: the parts as one forward call's batch, DCA's backward
+    kernel, fa4_backward.py); checks that it ran."""
+    taken = {"forward": 0, "backward": 0, "kernel": 0}
     if request.param == "parts":
         monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
 
@@ -147,13 +148,19 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
             return fn(*args)
         return counted
 
-    for name in taken:
+    for name in ("forward", "backward"):
         monkeypatch.setattr(grouped, name, counting(name))
+    kernel = fa4_backward.backward
+
+    def counted_kernel(*args):  # noqa: ANN002, ANN202
+        taken["kernel"] += 1
+        return kernel(*args)
+    monkeypatch.setattr(fa4_backward, "backward", counted_kernel)
     yield request.param
     if request.param == "parts":
         assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0 and not any(taken.values())
     else:
-        assert fa4_counted == {"fwd": 0, "bwd": 0} and taken["forward"] and taken["backward"]
+        assert fa4_counted == {"fwd": 0, "bwd": 0} and all(taken.values())
 
 
 def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None = None,  # noqa: ANN001
@@ -199,10 +206,17 @@ def test_dca_one_call_batch_and_head_dim(dca_path: str) -> None:
     _check(_dca_errors(q, k, v, dout, 512, 128))
 
 
+@pytest.mark.parametrize("dca_path", ["one call"], indirect=True)
+def test_dca_one_call_two_chunks(dca_path: str) -> None:
+    """Two chunks (C < S <= 2L): no inter part, so the backward kernel's parts are two."""
+    _check(_dca_errors(*_inputs(1792, 8, 2), 1024, 128))
+
+
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -> None:
-    """Packed documents: FA4's block-sparse backward has no varlen, so the part calls (LSE
-    calls, which the one-call path never makes) run though the problem is small."""
+    """Packed documents: the one-call path counts chunks from the sequence's start, so the
+    part calls (LSE calls, which the one-call path never makes) run though the problem is
+    small."""
     cu = torch.tensor([0, 700, 2500, 2600, 4096], dtype=torch.int32, device="cuda")
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128, cu))
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0

@@ -1,6 +1,7 @@
-"""DCA as one FA4 call each way (models/attention/dca/grouped.py), its CPU-checkable half: the
-block-sparse lists against the dense part masks of SPEC.md's table, and when the path applies.
-The kernel calls themselves run in tests/gpu/test_fa4_gpu.py."""
+"""DCA as one FA4 call each way (models/attention/dca/grouped.py, fa4_backward.py), its
+CPU-checkable half: the forward's block-sparse lists and the backward kernel's tile-to-part rule
+against the dense part masks of SPEC.md's table, and when the path applies. The kernel calls
+themselves run in tests/gpu/test_fa4_gpu.py."""
 
 from __future__ import annotations
 
@@ -30,17 +31,14 @@ def listed(count: torch.Tensor, index: torch.Tensor, blocks: int) -> torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("by_key", [False, True])
 @pytest.mark.parametrize(("seq", "length"), [(2048, 256), (3072, 512), (1024, 128)])
-def test_block_lists_match_the_dense_part_masks(seq: int, length: int, by_key: bool) -> None:
+def test_block_lists_match_the_dense_part_masks(seq: int, length: int) -> None:
     blocks = seq // BLOCK
     masks = part_masks(seq, length)  # [3, sq, sk]
-    if by_key:
-        masks = masks.transpose(1, 2)  # rows are keys
     tiles = masks.unflatten(1, (blocks, BLOCK)).unflatten(3, (blocks, BLOCK))  # [3, R, B, C, B]
     every, some = tiles.all(dim=(2, 4)), tiles.any(dim=(2, 4))  # [3, rows, cols]
     masked_count, masked_index, full_count, full_index = grouped.block_lists(
-        seq, length, 3, by_key)
+        seq, length, 3)
     full = listed(full_count, full_index, blocks)
     masked = listed(masked_count, masked_index, blocks)
     assert torch.equal(full, every)  # full blocks: every pair meets
@@ -54,11 +52,34 @@ def test_block_lists_match_the_dense_part_masks(seq: int, length: int, by_key: b
     assert masked_count[1:].sum() == 0 and torch.all(masked_count[0] == 1)
     diagonal = tiles[0, torch.arange(blocks), :, torch.arange(blocks)]  # [blocks, B, B]
     causal = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
-    assert torch.equal(diagonal, (causal.T if by_key else causal).expand_as(diagonal))
+    assert torch.equal(diagonal, causal.expand_as(diagonal))
+
+
+@pytest.mark.parametrize(("tile_m", "tile_n"), [(64, 128), (128, 128)])  # FA4's SM90 tiles
+@pytest.mark.parametrize(("seq", "length"), [(2048, 256), (1536, 384), (1024, 512)])
+def test_backward_kernel_tiles_each_meet_one_part(seq: int, length: int, tile_m: int,
+                                                 tile_n: int) -> None:
+    """fa4_backward.py's premise: with L and S multiples of 128, a (query tile m, key tile n)
+    of the causal loop (n's first row <= m's last) meets keys in one part only, the one of
+    its chunk distance min(m // (L / tile_m) - n // (L / tile_n), 2); all of it but the
+    causal mask's diagonal; and tiles above the diagonal meet nothing."""
+    masks = part_masks(seq, length)  # [3, sq, sk]
+    tiles = masks.unflatten(1, (-1, tile_m)).unflatten(3, (-1, tile_n))  # [3, M, tm, N, tn]
+    meets = tiles.any(dim=(2, 4))  # [3, M, N]
+    for m in range(seq // tile_m):
+        for n in range(seq // tile_n):
+            if n * tile_n > (m + 1) * tile_m - 1:  # outside the causal loop
+                assert not meets[:, m, n].any()
+                continue
+            part = min(m // (length // tile_m) - n // (length // tile_n), 2)
+            assert meets[:, m, n].tolist() == [p == part for p in range(3)], (m, n)
+            rows = torch.arange(m * tile_m, (m + 1) * tile_m)[:, None]
+            cols = torch.arange(n * tile_n, (n + 1) * tile_n)[None, :]
+            assert torch.equal(tiles[part, m, :, n, :], cols <= rows)  # the causal mask
 
 
 def test_block_lists_drop_parts_a_short_sequence_lacks() -> None:
-    lists = grouped.block_lists(512, 256, 2, by_key=False)  # two chunks: no inter part
+    lists = grouped.block_lists(512, 256, 2)  # two chunks: no inter part
     assert all(x.shape[0] == 2 for x in lists)
 
 
@@ -66,7 +87,7 @@ def test_block_lists_drop_parts_a_short_sequence_lacks() -> None:
     (4096, 1024, 128, None, True),  # L = 896 = 7 blocks
     (4096, 1024, 100, None, False),  # L = 924: blocks would straddle chunks
     (4000, 1024, 128, None, False),  # a partial last block
-    (4096, 1024, 128, [0, 1000, 4096], False),  # packed: FA4's sparse backward has no varlen
+    (4096, 1024, 128, [0, 1000, 4096], False),  # packed: chunks from the sequence's start
     (32768, 8192, 1024, None, False),  # above MAX_TOKENS: the bounded part calls
 ])
 def test_applies_only_where_the_one_call_is_exact_and_small(

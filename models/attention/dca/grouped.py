@@ -1,9 +1,11 @@
-"""Dual Chunk Attention as one FlashAttention-4 call each way: the parts as a batch.
+"""Dual Chunk Attention in one kernel call each way, on FlashAttention-4.
 
 The part-call path (attention.py, backward.py) makes a kernel call per part and chunk group
-(dozens at 8K with small chunks), each with its own launch, pre/post-processing and merge. Here
-the three rotated query sets (intra, successive, inter) are the batch entries of one FA4 call
-over the same rotated keys, and a block-sparse pattern gives each entry its own key blocks:
+(dozens at 8K with small chunks), each with its own launch, pre/post-processing and merge. Here:
+
+Forward: the three rotated query sets (intra, successive, inter) are the batch entries of one
+FA4 call over the same rotated keys, and a block-sparse pattern gives each entry its own key
+blocks:
 
     part p, query block m (in chunk c):  intra       key blocks of chunk c before m (full), m
                                                      itself (masked: causal)
@@ -12,16 +14,18 @@ over the same rotated keys, and a block-sparse pattern gives each entry its own 
 
 so the kernel does causal attention's work and skips the rest. Every listed block lies on or
 below the diagonal, so FA4's causal flag masks exactly intra's diagonal blocks (and brings its
-longest-first tile order). One merge of the three (out, lse) follows; the backward is one FA4
-call with the merged out and lse (the global-LSE recipe, as in backward.py) and one
-rotate-transpose-sum per gradient.
+longest-first tile order). One merge of the three (out, lse) follows.
 
-Where it applies (`applies`): kernel fa4 on CUDA bf16/fp16, no packed documents (FA4's
-block-sparse backward has no varlen), the chunk length L and the sequence multiples of BLOCK
-(each block then lies in one query chunk and one key chunk: only intra's diagonal blocks are
-partly masked), and at most MAX_TOKENS tokens, since it holds every part's rotated q, out and
-gradients at once (about three times q's size each), which the part-call path bounds. K/V, the
-merged out, dout and lse enter as stride-0 views over the parts (copies for batch > 1).
+Backward: DCA's own kernel (fa4_backward.py: FA4's causal backward taking each query block
+from its part's rotated q), with the merged out and lse (the global-LSE recipe, as in
+backward.py); dK/dV leave it summed over the parts, dq per part, rotated back and summed once.
+
+Where it applies (`applies`): kernel fa4 on CUDA bf16/fp16, no packed documents, the chunk
+length L and the sequence multiples of BLOCK (each block then lies in one query chunk and one
+key chunk: only intra's diagonal blocks are partly masked), and at most MAX_TOKENS tokens,
+since it holds every part's rotated q, out and dq at once (about three times q's size each, dq
+in float32 too), which the part-call path bounds. K/V enter the forward as stride-0 views over
+the parts (copies for batch > 1).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import functools
 import torch
 
 from models.attention import kernels
+from models.attention.dca import fa4_backward
 from models.attention.dca.plan import DCAPlan
 from models.attention.lse_attention import merge_partials
 from models.attention.rope import rotate_transpose_sum
@@ -57,7 +62,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
     sparsity = _sparsity(q.shape[1], plan.length, parts, batch, q.device)
     out_p, lse_p = kernels.fa4_module()._flash_attn_fwd(
         q_rot.flatten(0, 1), _over_parts(k_rot, parts), _over_parts(v, parts),
-        softmax_scale=scale, causal=True, block_sparse_tensors=sparsity.forward,
+        softmax_scale=scale, causal=True, block_sparse_tensors=sparsity,
         return_lse=True)[:2]
     out_p = out_p.unflatten(0, (parts, batch))  # [p, b, s, hq, d]
     lse_p = lse_p.unflatten(0, (parts, batch))  # [p, b, hq, s]; -inf: a part without keys
@@ -74,21 +79,16 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]."""
     parts, batch = plan.num_parts, q.shape[0]
     q_rot, k_rot = plan.rotate(q, k)
-    sparsity = _sparsity(q.shape[1], plan.length, parts, batch, q.device)
-    dq_p, dk_p, dv_p = kernels.fa4_module()._flash_attn_bwd(
-        q_rot.flatten(0, 1), _over_parts(k_rot, parts), _over_parts(v, parts),
-        _over_parts(out, parts), _over_parts(dout, parts), _over_parts(lse, parts),
-        softmax_scale=scale, causal=True, block_sparse_tensors=sparsity.backward)[:3]
+    dq_p, dk_rot, dv = fa4_backward.backward(q_rot.flatten(0, 1), k_rot, v, out, dout, lse,
+                                             scale, plan.length)
     del q_rot, k_rot
-    dq_p, dk_p, dv_p = (g.unflatten(0, (parts, batch)) for g in (dq_p, dk_p, dv_p))
+    dq_p = dq_p.unflatten(0, (parts, batch))
     if plan.q_scale is not None:  # the kernel saw f * q: its dq is d/d(f q)
         dq_p.mul_(plan.q_scale[:, None, :, None, None])  # [p, 1, s, 1, 1]
-    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    key_positions = [plan.positions[0]] * parts  # keys are rotated alike in every part
+    dq, dk = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k))
     for b in range(batch):
         rotate_transpose_sum(list(dq_p[:, b]), list(plan.positions), plan.cos, plan.sin, dq[b])
-        rotate_transpose_sum(list(dk_p[:, b]), key_positions, plan.cos, plan.sin, dk[b])
-        rotate_transpose_sum(list(dv_p[:, b]), None, plan.cos, plan.sin, dv[b])
+        rotate_transpose_sum([dk_rot[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
     return dq, dk, dv
 
 
@@ -97,19 +97,17 @@ def _over_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
     return x.unsqueeze(0).expand(parts, *x.shape).flatten(0, 1)
 
 
-def block_lists(seq: int, length: int, parts: int,
-                by_key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The blocks each part's queries meet, as FA4's block-sparse lists (CPU int32).
-
-    by_key False (forward): per part and query block, the key blocks; True (backward): per
-    part and key block, the query blocks. Returns (masked count [p, rows], masked index
-    [p, rows, 1], full count [p, rows], full index [p, rows, cols]); indices ascend, packed left.
+def block_lists(seq: int, length: int,
+                parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key blocks each part's query blocks meet, as FA4's forward block-sparse lists (CPU
+    int32): (masked count [p, rows], masked index [p, rows, 1], full count [p, rows], full
+    index [p, rows, cols]); indices ascend, packed left.
     """
     blocks, per_chunk = seq // BLOCK, length // BLOCK
     chunk = torch.arange(blocks) // per_chunk  # [blocks] chunk of each block
     row, col = torch.arange(blocks)[:, None], torch.arange(blocks)[None, :]
-    q_chunk, k_chunk = (chunk[col], chunk[row]) if by_key else (chunk[row], chunk[col])
-    q_block, k_block = (col, row) if by_key else (row, col)
+    q_chunk, k_chunk = chunk[row], chunk[col]
+    q_block, k_block = row, col
     full = torch.stack([(q_chunk == k_chunk) & (k_block < q_block),  # intra, off the diagonal
                         k_chunk == q_chunk - 1,  # successive
                         k_chunk <= q_chunk - 2])[:parts]  # inter; [p, rows, cols]
@@ -122,22 +120,12 @@ def block_lists(seq: int, length: int, parts: int,
     return masked.sum(-1, dtype=torch.int32), masked_index, full_count, full_index
 
 
-class _Sparsity:
-    """FA4's forward and backward block-sparse tensors for one shape, on the device."""
-
-    def __init__(self, seq: int, length: int, parts: int, batch: int,
-                 device: torch.device) -> None:
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # with FA4 only
-
-        def tensors(by_key: bool) -> BlockSparseTensorsTorch:
-            # [p, ...] -> [p * b, 1 (every head alike), ...], part-major as the call's batch
-            lists = [x.repeat_interleave(batch, 0).unsqueeze(1).contiguous().to(device)
-                     for x in block_lists(seq, length, parts, by_key)]
-            return BlockSparseTensorsTorch(*lists, block_size=(BLOCK, BLOCK))
-
-        self.forward, self.backward = tensors(False), tensors(True)
-
-
 @functools.lru_cache(maxsize=16)
-def _sparsity(seq: int, length: int, parts: int, batch: int, device: torch.device) -> _Sparsity:
-    return _Sparsity(seq, length, parts, batch, device)
+def _sparsity(seq: int, length: int, parts: int, batch: int, device: torch.device):  # noqa: ANN202
+    """FA4's forward block-sparse tensors for one shape, on the device (cached per shape)."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # with FA4 only
+
+    # [p, ...] -> [p * b, 1 (every head alike), ...], part-major as the call's batch
+    lists = [x.repeat_interleave(batch, 0).unsqueeze(1).contiguous().to(device)
+             for x in block_lists(seq, length, parts)]
+    return BlockSparseTensorsTorch(*lists, block_size=(BLOCK, BLOCK))

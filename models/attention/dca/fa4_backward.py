@@ -1,0 +1,264 @@
+"""Dual Chunk Attention's backward as one kernel: FlashAttention-4's SM90 backward, the query
+part chosen per block.
+
+A key block n meets every query block m at or after it, each pair in exactly one part (the
+chunk distance: 0 intra, 1 successive, >= 2 inter), so DCA's backward has causal attention's
+loop. This kernel is FA4's SM90 causal backward (`FlashAttentionBackwardSm90`, unchanged
+consumer warps) with two producers changed: the Q load reads the query block from its part's
+rotated copy (q_rot [parts * b, s, hq, d], the part the batch coordinate), and the dQ store adds
+into that part's float32 accumulator. LSE, dO and dPsum are the merged ones, alike for all parts.
+So dK and dV leave the kernel once, summed over the parts in registers, and the preprocess runs
+over the rows once; the part calls' per-call launches and the one-call path's per-part dK/dV
+and pre-processing are gone. What stays outside: the rotations (q into its parts, k; dq back
+from its parts, dk back), and FA4's postprocess per part's dq.
+
+Needs the chunk length L and the sequence to be multiples of 128 (every tile then lies in one
+chunk, and only intra's diagonal tiles are partly masked, by the causal mask). FA4 (and its
+CuTe DSL) is imported on first use; `backward` is called only where kernels.fa4_applies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128 rows)
+
+
+def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq per part [p * b, s, hq, d] (of the rotated queries), dk (of k_rot) and dv, [b, s, h, d].
+
+    q_rot: [p * b, s, hq, d] part-major; k_rot, v: [b, s, hk, d]; out, dout: merged [b, s, hq,
+    d]; lse: merged [b, hq, s] float32; length: the chunk length L (a multiple of 128).
+    """
+    from flash_attn.cute import interface as fa  # with FA4 only
+
+    batch, seq, heads, head_dim = out.shape
+    heads_kv, head_dim_v = v.shape[2], v.shape[3]
+    parts = q_rot.shape[0] // batch
+    if length % _ROW_MULTIPLE or seq % _ROW_MULTIPLE:
+        raise ValueError(f"the DCA backward kernel needs L ({length}) and the sequence ({seq}) "
+                         f"to be multiples of {_ROW_MULTIPLE}")
+    cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
+    tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
+    dtype = fa.torch2cute_dtype_map[q_rot.dtype]
+    multiple = 64 if cfg.dKV_swapAB else 32  # FA4's accumulator rounding of the head dim
+    dim_acc = -(-head_dim // multiple) * multiple
+    dim_v_acc = -(-head_dim_v // multiple) * multiple
+    rows_q, rows_k = -(-seq // tile_m) * tile_m, -(-seq // tile_n) * tile_n
+    device = out.device
+    q_rot, k_rot, v, out, dout, lse = (fa.maybe_contiguous(t)
+                                       for t in (q_rot, k_rot, v, out, dout, lse))
+
+    # zeroed before the preprocess: the main kernel (launched with PDL) may start while the
+    # kernel before it runs, and waits for it only before reading LSE and dPsum
+    dq_accum = torch.zeros(parts * batch, heads, rows_q * dim_acc, dtype=torch.float32,
+                           device=device)
+    dpsum = torch.empty(batch, heads, rows_q, dtype=torch.float32, device=device)
+    lse_log2 = torch.empty_like(dpsum)
+    fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None, None, None, None, dtype,
+                       head_dim, head_dim_v, tile_m, fake_mode=False, hdim_multiple_of=multiple)
+    dk, dv = torch.empty_like(k_rot), torch.empty_like(v)
+    gqa = heads_kv < heads  # several query heads add into one dK/dV: float32 accumulators
+    if gqa:
+        dk_out = torch.zeros(batch, heads_kv, rows_k * dim_acc, dtype=torch.float32,
+                             device=device)
+        dv_out = torch.zeros(batch, heads_kv, rows_k * dim_v_acc, dtype=torch.float32,
+                             device=device)
+    else:
+        dk_out, dv_out = dk, dv
+    kernel = _compiled(dtype, head_dim, head_dim_v, heads // heads_kv, length, parts,
+                       (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out), scale)
+    kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_out,
+           dv_out, scale, None, None, None, None, None, None, None, None, None,
+           fa.AuxData(None, None), None, None)
+    dq_rot = torch.empty_like(q_rot)
+    threads = cfg.num_wg * 128
+    fa._bwd_postprocess_convert(dq_accum, dq_rot, scale, None, None, 90, dtype, head_dim,
+                                tile_m, 128 if cfg.dQ_single_wg else threads, cfg.AtomLayoutMdQ,
+                                cfg.dQ_swapAB, fake_mode=False, hdim_multiple_of=multiple)
+    if gqa:
+        for accum, grad, grad_scale, dim in ((dk_out, dk, scale, head_dim),
+                                             (dv_out, dv, 1.0, head_dim_v)):
+            fa._bwd_postprocess_convert(accum, grad, grad_scale, None, None, 90, dtype, dim,
+                                        tile_n, threads, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
+                                        fake_mode=False, hdim_multiple_of=multiple)
+    return dq_rot, dk, dv
+
+
+@functools.cache
+def _kernel_class() -> type:
+    """DCABackwardSm90, defined on first use (it subclasses FA4's kernel)."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+    from flash_attn.cute.named_barrier import NamedBarrierBwd
+    from quack import copy_utils
+
+    class DCABackwardSm90(FlashAttentionBackwardSm90):
+        """FA4's SM90 causal backward; Q and the dQ accumulator per block from its DCA part."""
+
+        def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            assert self.is_causal and not self.is_local and not self.deterministic
+            self.parts = parts
+            self.m_blocks_per_chunk = length // self.tile_m
+            self.n_blocks_per_chunk = length // self.tile_n
+
+        @cute.jit
+        def part_of(self, m_block, n_block):
+            """The part query block m meets key block n in: 0 intra, 1 successive, 2 inter."""
+            distance = m_block // self.m_blocks_per_chunk - n_block // self.n_blocks_per_chunk
+            return cutlass.min(distance, self.parts - 1)
+
+        @cute.jit
+        def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
+                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, pipeline_Q, pipeline_dO,
+                 block_info, SeqlenInfoCls, TileSchedulerCls, blocksparse_tensors=None,
+                 qhead_per_kvhead_divmod=None):
+            # FA4's dense, non-varlen producer (flash_bwd_sm90.py), Q's batch coordinate
+            # being part * batches + batch_idx
+            warp_idx_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+            if warp_idx_in_wg == 0:
+                producer_state_Q = cutlass.pipeline.make_pipeline_state(
+                    cutlass.pipeline.PipelineUserType.Producer, self.Q_stage)
+                producer_state_dO = cutlass.pipeline.make_pipeline_state(
+                    cutlass.pipeline.PipelineUserType.Producer, self.dO_stage)
+                batches = cute.size(mK.shape[3])
+                tile_scheduler = TileSchedulerCls()
+                work_tile = tile_scheduler.initial_work_tile_info()
+                while work_tile.is_valid_tile:
+                    n_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                    seqlen = SeqlenInfoCls(batch_idx)
+                    head_idx_kv = (head_idx if cutlass.const_expr(self.qhead_per_kvhead == 1)
+                                   else head_idx // qhead_per_kvhead_divmod)
+                    gK = cute.local_tile(mK[None, None, head_idx_kv, batch_idx],
+                                         (self.tile_n, self.tile_hdim), (n_block, 0))
+                    gV = cute.local_tile(mV[None, None, head_idx_kv, batch_idx],
+                                         (self.tile_n, self.tile_hdimv), (n_block, 0))
+                    gdO = cute.local_tile(mdO[None, None, head_idx, batch_idx],
+                                          (self.tile_m, self.tile_hdimv), (None, 0))
+                    gLSE = cute.local_tile(mLSE[None, head_idx, batch_idx], (self.tile_m,),
+                                           (None,))
+                    gdPsum = cute.local_tile(mdPsum[None, head_idx, batch_idx], (self.tile_m,),
+                                             (None,))
+                    load_K, _, _ = copy_utils.tma_get_copy_fn(
+                        tma_atom_K, 0, cute.make_layout(1), gK, sK, single_stage=True)
+                    load_V, _, _ = copy_utils.tma_get_copy_fn(
+                        tma_atom_V, 0, cute.make_layout(1), gV, sV, single_stage=True)
+                    load_dO, _, _ = copy_utils.tma_get_copy_fn(
+                        tma_atom_dO, 0, cute.make_layout(1), gdO, sdO)
+                    load_dO = copy_utils.tma_producer_copy_fn(load_dO, pipeline_dO)
+                    load_LSE = copy_utils.cpasync_bulk_get_copy_fn(gLSE, sLSE)
+                    load_LSE = copy_utils.tma_producer_copy_fn(load_LSE, pipeline_Q)
+                    load_dPsum = copy_utils.cpasync_bulk_get_copy_fn(gdPsum, sdPsum)
+                    load_dPsum = copy_utils.tma_producer_copy_fn(load_dPsum, pipeline_dO)
+                    m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
+                    for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                        part = self.part_of(m_block, n_block)
+                        gQ = cute.local_tile(mQ[None, None, head_idx, part * batches + batch_idx],
+                                             (self.tile_m, self.tile_hdim), (None, 0))
+                        load_Q, _, _ = copy_utils.tma_get_copy_fn(
+                            tma_atom_Q, 0, cute.make_layout(1), gQ, sQ)
+                        load_Q = copy_utils.tma_producer_copy_fn(load_Q, pipeline_Q)
+                        state_dO = (producer_state_dO
+                                    if cutlass.const_expr(self.Q_stage != self.dO_stage)
+                                    else producer_state_Q)
+                        if m_block == m_block_min:  # K rides with the first Q, V with its dO
+                            pipeline_Q.producer_acquire(
+                                producer_state_Q, extra_tx_count=self.tma_copy_bytes["K"])
+                            load_K(tma_bar_ptr=pipeline_Q.producer_get_barrier(producer_state_Q))
+                            load_Q(m_block, producer_state=producer_state_Q)
+                            cute.arch.griddepcontrol_wait()  # the preprocess's LSE and dPsum
+                            load_LSE(m_block, producer_state=producer_state_Q)
+                            pipeline_dO.producer_acquire(
+                                state_dO, extra_tx_count=self.tma_copy_bytes["V"])
+                            load_V(tma_bar_ptr=pipeline_dO.producer_get_barrier(state_dO))
+                        else:
+                            pipeline_Q.producer_acquire(producer_state_Q)
+                            load_Q(m_block, producer_state=producer_state_Q)
+                            load_LSE(m_block, producer_state=producer_state_Q)
+                            pipeline_dO.producer_acquire(state_dO)
+                        load_dO(m_block, producer_state=state_dO)
+                        load_dPsum(m_block, producer_state=state_dO)
+                        producer_state_Q.advance()
+                        producer_state_dO.advance()
+                    tile_scheduler.prefetch_next_work()
+                    tile_scheduler.advance_to_next_work()
+                    work_tile = tile_scheduler.get_current_work()
+
+        @cute.jit
+        def dQaccum_store(self, mdQaccum, sdQaccum, block_info, TileSchedulerCls,
+                          SeqlenInfoCls, blocksparse_tensors=None, mdQ_semaphore=None):
+            # FA4's non-deterministic dQ store, into the block's part's accumulator
+            batches = cute.size(mdQaccum.shape[2]) // self.parts
+            tile_scheduler = TileSchedulerCls()
+            work_tile = tile_scheduler.initial_work_tile_info()
+            while work_tile.is_valid_tile:
+                n_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                seqlen = SeqlenInfoCls(batch_idx)
+                m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
+                for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                    part = self.part_of(m_block, n_block)
+                    # ((M * K / num_wg_dQ, num_wg_dQ), num_m_blocks)
+                    gdQaccum = cute.local_tile(
+                        mdQaccum[None, head_idx, part * batches + batch_idx],
+                        (cute.make_layout((self.tile_m * self.tile_hdim // self.num_wg_dQ,
+                                           self.num_wg_dQ)),),
+                        (None,))
+                    for wg in cutlass.range_constexpr(self.num_wg_dQ):
+                        cute.arch.cp_async_bulk_wait_group(self.num_wg_dQ - 1 - wg, read=True)
+                        cute.arch.barrier_arrive(
+                            barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + wg,
+                            number_of_threads=self.num_threads_per_warp_group
+                            + cute.arch.WARP_SIZE)
+                    for wg in cutlass.range_constexpr(self.num_wg_dQ):
+                        cute.arch.barrier(
+                            barrier_id=int(NamedBarrierBwd.dQFullWG0) + wg,
+                            number_of_threads=self.num_threads_per_warp_group
+                            + cute.arch.WARP_SIZE)
+                        with cute.arch.elect_one():
+                            copy_utils.cpasync_reduce_bulk_add_f32(
+                                sdQaccum[None, wg].iterator,
+                                gdQaccum[(None, wg), m_block].iterator,
+                                self.tma_copy_bytes["dQ"])
+                        cute.arch.cp_async_bulk_commit_group()
+                tile_scheduler.advance_to_next_work()
+                work_tile = tile_scheduler.get_current_work()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    return DCABackwardSm90
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
+              parts: int, tensors: tuple[torch.Tensor, ...], scale: float):
+    """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
+    sequence length and batch)."""
+    key = (dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
+    if key not in _COMPILED:
+        import cutlass.cute as cute
+        from flash_attn.cute import interface as fa
+
+        cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
+        kernel = _kernel_class()(
+            dtype, head_dim, head_dim_v, qhead_per_kvhead, True, is_local=False,
+            deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
+            Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS,
+            SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB,
+            AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+            AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
+            V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
+            length=length, parts=parts)
+        cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
+        _COMPILED[key] = cute.compile(
+            kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
+            None, fa.AuxData(None, None), None, None,
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi")
+    return _COMPILED[key]
