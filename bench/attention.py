@@ -109,19 +109,26 @@ def fa4() -> Variant:
 
 
 def dca(chunk_size: int, local_size: int, name: str = "dca",
-        cuda_graphs: bool = False, kernel: str = "cudnn", one_call: bool | None = None,
-        ) -> Variant:
-    """`one_call`: under fa4, force DCA's one-call path (True) or its part calls (False);
-    None: the default rule (dca/grouped.py's MAX_TOKENS)."""
-    max_tokens = {None: grouped.MAX_TOKENS, True: 1 << 40, False: 0}[one_call]
+        cuda_graphs: bool = False, kernel: str = "cudnn", path: str = "default") -> Variant:
+    """`path`, under fa4: "default" (dca/grouped.py's rules), or forced: "one_call" (one FA4
+    call forward, DCA's backward kernel in one piece), "pieces" (the part-call forward, the
+    kernel backward in pieces of query rows) or "parts" (the part calls both ways). Forced
+    around the call, where DCA makes its plan: its backward follows the plan."""
+    rules = {"default": {},
+             "one_call": {"MAX_TOKENS": 1 << 40},
+             "pieces": {"MAX_TOKENS": 0},
+             "parts": {"MAX_TOKENS": 0, "kernel_applies": lambda q, length, packed: False}}[path]
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        default, grouped.MAX_TOKENS = grouped.MAX_TOKENS, max_tokens
+        defaults = {key: getattr(grouped, key) for key in rules}
+        for key, value in rules.items():
+            setattr(grouped, key, value)
         try:
             return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
                                         cuda_graphs=cuda_graphs)
         finally:
-            grouped.MAX_TOKENS = default
+            for key, value in defaults.items():
+                setattr(grouped, key, value)
     return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops,
                    peak_complete=not cuda_graphs, kernel=kernel)
 
@@ -153,17 +160,15 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4", kernel="fa4"),
     "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
                                    kernel="fa4"),
-    # DCA on FA4 forced onto its part calls / its one block-sparse call each way (grouped.py)
-    "dca_fa4_parts": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4_parts", kernel="fa4",
-                                   one_call=False),
-    "dca_fa4_one_call": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4_one_call",
-                                      kernel="fa4", one_call=True),
-    "dca_small_fa4_parts": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
-                                         "dca_fa4_parts", kernel="fa4", one_call=False),
-    "dca_small_fa4_one_call": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
-                                            "dca_fa4_one_call", kernel="fa4", one_call=True),
+    # DCA on FA4 forced onto one path (dca(path=...)): its part calls both ways, the part-call
+    # forward with the kernel backward in pieces, or one call each way (grouped.py)
+    **{f"dca{size}_fa4_{path}": (lambda a, size=size, path=path: dca(
+        a.dca_chunk if size == "" else a.dca_small_chunk,
+        a.dca_local if size == "" else a.dca_small_chunk // 8, f"dca_fa4_{path}",
+        kernel="fa4", path=path))
+       for size in ("", "_small") for path in ("parts", "pieces", "one_call")},
     "dca_small_graphs_fa4_parts": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
-                                                "dca_graphs_fa4_parts", True, "fa4", False),
+                                                "dca_graphs_fa4_parts", True, "fa4", "parts"),
     "chunked_fa4": lambda a: chunked(a.chunked_size, "fa4"),
     "dca_graphs_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_graphs_fa4", True, "fa4"),
     "dca_small_graphs_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,

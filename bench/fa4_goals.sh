@@ -7,10 +7,10 @@
 #   small   bench.attention at 8K, DCA with C = 2048 (cuDNN, FA4), one call and 20 back to back
 #   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
 #           C = 2048 and 32K C = 8192, one call per sample
-#   onecall DCA on FA4 as its part calls against its one block-sparse call each way
-#           (models/attention/dca/grouped.py): 8K C = 2048 synchronised, back to back and as
-#           CUDA graphs; 16K with C = 8192 and 2048 back to back and 32K synchronised (where
-#           MAX_TOKENS comes from)
+#   onecall DCA on FA4 as its part calls, as the part-call forward with DCA's backward kernel
+#           in pieces, and as one call each way (models/attention/dca/grouped.py): 8K C = 2048
+#           synchronised, back to back and as CUDA graphs; 16K with C = 8192 and 2048 back to
+#           back and 32K synchronised (where MAX_TOKENS comes from)
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
@@ -43,15 +43,15 @@ for stage in "$@"; do
               --out "$OUT/attention_graphs.json" > "$OUT/attention_graphs.log" 2>&1
             grep -E "^\| (8192|32768)" "$OUT/attention_graphs.log" ;;
     onecall) A=("$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4)
-             V=sdpa_cudnn,fa4,dca_small,dca_small_fa4_parts,dca_small_fa4_one_call
+             V=sdpa_cudnn,fa4,dca_small,dca_small_fa4_parts,dca_small_fa4_pieces,dca_small_fa4_one_call
              { "${A[@]}" --seqs 8192 --variants $V --out "$OUT/s8k.json"
                "${A[@]}" --seqs 8192 --back-to-back 20 --variants $V --out "$OUT/b8k.json"
                "${A[@]}" --seqs 8192 --out "$OUT/g8k.json" \
                  --variants sdpa_cudnn,fa4,dca_small_graphs_fa4_parts,dca_small_graphs_fa4
                "${A[@]}" --seqs 16384 --back-to-back 10 --out "$OUT/b16k.json" \
-                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4_one_call,dca_small_fa4_parts,dca_small_fa4_one_call
+                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4_pieces,dca_fa4_one_call,dca_small_fa4_parts,dca_small_fa4_one_call
                "${A[@]}" --seqs 32768 --out "$OUT/s32k.json" \
-                 --variants fa4,dca_fa4_parts,dca_fa4_one_call
+                 --variants fa4,dca_fa4_parts,dca_fa4_pieces,dca_fa4_one_call
              } > "$OUT/bench.log" 2>&1
              grep -E "^\| (8192|16384|32768)" "$OUT/bench.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \

@@ -21,6 +21,7 @@ import torch
 from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
+from models.attention.dca import backward as dca_backward
 from models.attention.dca import fa4_backward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
@@ -134,11 +135,16 @@ def test_chunked(hk: int, packed: bool) -> None:
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group) or "one call" (grouped.py: the parts as one forward call's batch, DCA's backward
-    kernel, fa4_backward.py); checks that it ran."""
+    group, both passes), "pieces" (the part calls forward, DCA's backward kernel over pieces
+    of 1024 query rows) or "one call" (grouped.py: the parts as one forward call's batch, DCA's
+    backward kernel, fa4_backward.py, in one piece); checks that it ran."""
     taken = {"forward": 0, "backward": 0, "kernel": 0}
-    if request.param == "parts":
+    if request.param in ("parts", "pieces"):
         monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
+    if request.param == "parts":
+        monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
+    if request.param == "pieces":
+        monkeypatch.setattr(dca_backward, "MIN_ROWS_PER_CALL", 1024)
 
     def counting(name: str):  # noqa: ANN202
         fn = getattr(grouped, name)
@@ -159,6 +165,9 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     yield request.param
     if request.param == "parts":
         assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0 and not any(taken.values())
+    elif request.param == "pieces":
+        assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] == 0 and not taken["forward"]
+        assert taken["backward"] and taken["kernel"] > taken["backward"]  # several pieces
     else:
         assert fa4_counted == {"fwd": 0, "bwd": 0} and all(taken.values())
 
@@ -175,7 +184,7 @@ def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None =
     return errors
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"], indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
 def test_dca(hk: int, dca_path: str) -> None:
     """DCA's intra/successive/inter parts with their LSE, merged; the backward calls FA4 with
@@ -183,9 +192,9 @@ def test_dca(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
-def test_dca_one_call_long_chunks(hk: int, dca_path: str) -> None:
+def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     """L = 1024 (C = 2048, w = 1024, the 8K benchmark's) over 6 chunks: every part has
     blocks; q scaled on two parts (Llama 4's log scaling, its floor small enough to vary)."""
     seq, chunk, local = 6144, 2048, 1024
@@ -195,8 +204,8 @@ def test_dca_one_call_long_chunks(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
-@pytest.mark.parametrize("dca_path", ["one call"], indirect=True)
-def test_dca_one_call_batch_and_head_dim(dca_path: str) -> None:
+@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
+def test_dca_batch_2_and_head_dim_64(dca_path: str) -> None:
     """Batch 2 (K/V then copied per part, the parts part-major in the call's batch) and head
     dim 64 (FA4's other tile shapes), GQA."""
     torch.manual_seed(0)
@@ -222,7 +231,7 @@ def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"], indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_replayed_as_cuda_graphs(hk: int, dca_path: str) -> None:
     """FA4's DCA calls captured in DCA's CUDA graphs (graphs.py): the replays compute the same

@@ -1,7 +1,9 @@
-"""DCA as one FA4 call each way (models/attention/dca/grouped.py, fa4_backward.py), its
-CPU-checkable half: the forward's block-sparse lists and the backward kernel's tile-to-part rule
-against the dense part masks of SPEC.md's table, and when the path applies. The kernel calls
-themselves run in tests/gpu/test_fa4_gpu.py."""
+"""DCA on FA4's one call each way and DCA's backward kernel (models/attention/dca/grouped.py,
+fa4_backward.py), the CPU-checkable half: the forward's block-sparse lists and the backward
+kernel's tile-to-part rule against the dense part masks of SPEC.md's table, when each path
+applies, and the backward's pieces and rotations around the kernel, with a float64 stand-in of
+the kernel's contract, against the dense reference. The kernels themselves run in
+tests/gpu/test_fa4_gpu.py."""
 
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ import pytest
 import torch
 
 from models.attention import kernels
-from models.attention.dca import grouped
+from models.attention.dca import backward as dca_backward
+from models.attention.dca import fa4_backward, grouped
 from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.scaling import DCAScaling
+from tests.models.test_dca import assert_matches_reference
+from tests.models.test_dca_scaling import check, log_factor, part_factors
 
 BLOCK = grouped.BLOCK
 
@@ -88,7 +94,7 @@ def test_block_lists_drop_parts_a_short_sequence_lacks() -> None:
     (4096, 1024, 100, None, False),  # L = 924: blocks would straddle chunks
     (4000, 1024, 128, None, False),  # a partial last block
     (4096, 1024, 128, [0, 1000, 4096], False),  # packed: chunks from the sequence's start
-    (32768, 8192, 1024, None, False),  # above MAX_TOKENS: the bounded part calls
+    (32768, 8192, 1024, None, False),  # above MAX_TOKENS: part calls, the kernel in pieces
 ])
 def test_applies_only_where_the_one_call_is_exact_and_small(
         seq: int, chunk: int, local: int, cu: list[int] | None, expected: bool,
@@ -96,8 +102,11 @@ def test_applies_only_where_the_one_call_is_exact_and_small(
     q = torch.zeros(1, seq, 4, 64)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
     assert grouped.applies(q, chunk - local, cu is not None) is expected
+    # the backward kernel: the same rule without the size limit
+    assert grouped.kernel_applies(q, chunk - local, cu is not None) is (expected or seq > 16384)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)  # CPU, other kernels
     assert grouped.applies(q, chunk - local, cu is not None) is False
+    assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
 
 
 def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,3 +125,75 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(grouped, "applies", lambda q, length, packed: False)
     out.sum().backward()
     assert taken == ["forward", "backward"]
+
+
+def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, scale: float,
+                          length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
+    key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q;
+    P from the merged lse, dS from the merged out (the global-LSE recipe)."""
+    batch, seq_q, heads, _ = out.shape
+    seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
+    parts, group = q_rot.shape[0] // batch, heads // heads_kv
+    k, vv = (x.repeat_interleave(group, 2) for x in (k_rot, v))  # [b, s_k, hq, d]
+    i = torch.arange(seq_k - seq_q, seq_k)[:, None]
+    j = torch.arange(seq_k)[None, :]
+    distance = i // length - j // length
+    masks = [(distance == 0) & (j <= i), distance == 1, distance >= 2]
+    q_parts = q_rot.unflatten(0, (parts, batch))
+    delta = (out * dout).sum(-1).transpose(1, 2)[..., None]  # [b, hq, s_q, 1]
+    dq, dk, dv = torch.zeros_like(q_parts), torch.zeros_like(k), torch.zeros_like(vv)
+    for p in range(parts):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q_parts[p], k) * scale
+        prob = torch.where(masks[p], torch.exp(scores - lse[..., None]), 0.0)
+        dv += torch.einsum("bhqk,bqhd->bkhd", prob, dout)
+        d_scores = prob * (torch.einsum("bqhd,bkhd->bhqk", dout, vv) - delta)
+        dq[p] = torch.einsum("bhqk,bkhd->bqhd", d_scores, k) * scale
+        dk += torch.einsum("bhqk,bqhd->bkhd", d_scores, q_parts[p]) * scale
+    return (dq.flatten(0, 1), dk.unflatten(2, (heads_kv, group)).sum(3),
+            dv.unflatten(2, (heads_kv, group)).sum(3))
+
+
+@pytest.fixture
+def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """DCA's part-call forward with the kernel backward (its stand-in above, recorded as
+    (query rows, key rows)), pieces of any row count (BLOCK 1)."""
+    calls: list[tuple[int, int]] = []
+
+    def recorded(q_rot, k_rot, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append((q_rot.shape[1], k_rot.shape[1]))
+        return dense_kernel_backward(q_rot, k_rot, *args)
+    monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
+    monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
+    monkeypatch.setattr(grouped, "BLOCK", 1)
+    monkeypatch.setattr(fa4_backward, "backward", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("budget", [5, 16, 23, 10_000])
+@pytest.mark.parametrize(("batch", "hq", "hk"), [(1, 2, 2), (1, 6, 2), (2, 4, 2)])
+def test_kernel_backward_pieces_match_the_reference(
+        budget: int, batch: int, hq: int, hk: int, monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
+    """The queries in pieces of at most `budget` rows, the last first, each with the keys up
+    to its end; gradients (dq complete per piece, dk/dv summed over pieces) are the
+    reference's. 52 tokens with L = 7: 7 chunks and a tail."""
+    monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: budget)
+    assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
+    rows = min(budget, 52)
+    expected = [(min(rows, end), end) for end in range(52, 0, -rows)]
+    assert kernel_backward_in_pieces == expected
+
+
+def test_kernel_backward_pieces_with_length_scaling(
+        monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
+    """Llama 4's log scaling on the successive and inter parts: dq carries each part's factor
+    piece by piece."""
+    monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: 13)
+    seq, chunk, local = 45, 11, 3
+    factors = part_factors([log_factor(p, 0.3, 6) for p in range(seq)], "succ_inter")
+    check(DCAScaling("log", "succ_inter", attn_scale=0.3, floor_scale=6), factors, seq, chunk,
+          local)
+    assert len(kernel_backward_in_pieces) == 4

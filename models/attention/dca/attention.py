@@ -151,9 +151,11 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     check_qkv(q, k, v)
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    length, packed = chunk_size - local_size, bounds is not None
     plan = DCAPlan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
                    scaling or DCAScaling(), rope_scaling,
-                   one_call=grouped.applies(q, chunk_size - local_size, bounds is not None))
+                   one_call=grouped.applies(q, length, packed),
+                   kernel_backward=grouped.kernel_applies(q, length, packed))
     if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
@@ -163,7 +165,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
             and not torch.cuda.is_current_stream_capturing()):
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
                float(mscale), scale, scaling, rope_scaling, kernels.active(),
-               plan.one_call)
+               plan.one_call, plan.kernel_backward)
         graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 

@@ -12,9 +12,14 @@ over the rows once; the part calls' per-call launches and the one-call path's pe
 and pre-processing are gone. What stays outside: the rotations (q into its parts, k; dq back
 from its parts, dk back), and FA4's postprocess per part's dq.
 
-Needs the chunk length L and the sequence to be multiples of 128 (every tile then lies in one
-chunk, and only intra's diagonal tiles are partly masked, by the causal mask). FA4 (and its
-CuTe DSL) is imported on first use; `backward` is called only where kernels.fa4_applies.
+The queries may be the last rows of the keys' (FA4's bottom-right causal alignment): then the
+kernel gives those queries' complete dq and their share of dk and dv, so a long sequence's
+backward runs in pieces of query rows (grouped.backward) with bounded memory.
+
+Needs the chunk length L and the query and key rows to be multiples of 128 (every tile then
+lies in one chunk, and only intra's diagonal tiles are partly masked, by the causal mask). FA4
+(and its CuTe DSL) is imported on first use; `backward` is called only where
+kernels.fa4_applies.
 """
 
 from __future__ import annotations
@@ -29,26 +34,29 @@ _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128
 def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq per part [p * b, s, hq, d] (of the rotated queries), dk (of k_rot) and dv, [b, s, h, d].
+    """dq per part [p * b, s_q, hq, d] (of the rotated queries), dk (of k_rot) and dv [b, s_k,
+    hk, d], for queries that are the last s_q of the s_k key rows (s_q = s_k: all of them).
 
-    q_rot: [p * b, s, hq, d] part-major; k_rot, v: [b, s, hk, d]; out, dout: merged [b, s, hq,
-    d]; lse: merged [b, hq, s] float32; length: the chunk length L (a multiple of 128).
+    q_rot: [p * b, s_q, hq, d] part-major; k_rot, v: [b, s_k, hk, d]; out, dout: merged [b, s_q,
+    hq, d]; lse: merged [b, hq, s_q] float32; length: the chunk length L. L, s_q and s_k must be
+    multiples of 128. With s_q < s_k, dq is complete (the queries' keys all lie in the first s_k
+    rows) and dk, dv are these queries' share.
     """
     from flash_attn.cute import interface as fa  # with FA4 only
 
     batch, seq, heads, head_dim = out.shape
-    heads_kv, head_dim_v = v.shape[2], v.shape[3]
+    seq_k, heads_kv, head_dim_v = v.shape[1], v.shape[2], v.shape[3]
     parts = q_rot.shape[0] // batch
-    if length % _ROW_MULTIPLE or seq % _ROW_MULTIPLE:
-        raise ValueError(f"the DCA backward kernel needs L ({length}) and the sequence ({seq}) "
-                         f"to be multiples of {_ROW_MULTIPLE}")
+    if length % _ROW_MULTIPLE or seq % _ROW_MULTIPLE or seq_k % _ROW_MULTIPLE or seq > seq_k:
+        raise ValueError(f"the DCA backward kernel needs L ({length}) and the query ({seq}) and "
+                         f"key ({seq_k}) rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
     cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
     tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
     multiple = 64 if cfg.dKV_swapAB else 32  # FA4's accumulator rounding of the head dim
     dim_acc = -(-head_dim // multiple) * multiple
     dim_v_acc = -(-head_dim_v // multiple) * multiple
-    rows_q, rows_k = -(-seq // tile_m) * tile_m, -(-seq // tile_n) * tile_n
+    rows_q, rows_k = -(-seq // tile_m) * tile_m, -(-seq_k // tile_n) * tile_n
     device = out.device
     q_rot, k_rot, v, out, dout, lse = (fa.maybe_contiguous(t)
                                        for t in (q_rot, k_rot, v, out, dout, lse))
@@ -109,9 +117,13 @@ def _kernel_class() -> type:
             self.n_blocks_per_chunk = length // self.tile_n
 
         @cute.jit
-        def part_of(self, m_block, n_block):
-            """The part query block m meets key block n in: 0 intra, 1 successive, 2 inter."""
-            distance = m_block // self.m_blocks_per_chunk - n_block // self.n_blocks_per_chunk
+        def part_of(self, seqlen, m_block, n_block):
+            """The part query block m meets key block n in: 0 intra, 1 successive, 2 inter.
+            The queries are the last seqlen_q of the seqlen_k rows (causal's bottom-right
+            alignment), so query block m is block m + (seqlen_k - seqlen_q) / tile_m of all."""
+            m_first = (seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m
+            distance = ((m_first + m_block) // self.m_blocks_per_chunk
+                        - n_block // self.n_blocks_per_chunk)
             return cutlass.min(distance, self.parts - 1)
 
         @cute.jit
@@ -158,7 +170,7 @@ def _kernel_class() -> type:
                     load_dPsum = copy_utils.tma_producer_copy_fn(load_dPsum, pipeline_dO)
                     m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                     for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                        part = self.part_of(m_block, n_block)
+                        part = self.part_of(seqlen, m_block, n_block)
                         gQ = cute.local_tile(mQ[None, None, head_idx, part * batches + batch_idx],
                                              (self.tile_m, self.tile_hdim), (None, 0))
                         load_Q, _, _ = copy_utils.tma_get_copy_fn(
@@ -202,7 +214,7 @@ def _kernel_class() -> type:
                 seqlen = SeqlenInfoCls(batch_idx)
                 m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                 for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                    part = self.part_of(m_block, n_block)
+                    part = self.part_of(seqlen, m_block, n_block)
                     # ((M * K / num_wg_dQ, num_wg_dQ), num_m_blocks)
                     gdQaccum = cute.local_tile(
                         mdQaccum[None, head_idx, part * batches + batch_idx],

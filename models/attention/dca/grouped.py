@@ -20,12 +20,14 @@ Backward: DCA's own kernel (fa4_backward.py: FA4's causal backward taking each q
 from its part's rotated q), with the merged out and lse (the global-LSE recipe, as in
 backward.py); dK/dV leave it summed over the parts, dq per part, rotated back and summed once.
 
-Where it applies (`applies`): kernel fa4 on CUDA bf16/fp16, no packed documents, the chunk
-length L and the sequence multiples of BLOCK (each block then lies in one query chunk and one
-key chunk: only intra's diagonal blocks are partly masked), and at most MAX_TOKENS tokens,
-since it holds every part's rotated q, out and dq at once (about three times q's size each, dq
-in float32 too), which the part-call path bounds. K/V enter the forward as stride-0 views over
-the parts (copies for batch > 1).
+Where the kernel applies (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no packed
+documents, the chunk length L and the sequence multiples of BLOCK (each block then lies in one
+query chunk and one key chunk: only intra's diagonal blocks are partly masked). Up to
+MAX_TOKENS tokens (`applies`) both passes are one call each; they hold every part's rotated q,
+out and dq at once (about three times q's size each, dq in float32 too). Above, the forward is
+the part calls (bounded memory) and the backward is the kernel over pieces of query rows (the
+part calls' row budget), so memory stays bounded there too. K/V enter the forward as stride-0
+views over the parts (copies for batch > 1).
 """
 
 from __future__ import annotations
@@ -41,17 +43,26 @@ from models.attention.lse_attention import merge_partials
 from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # FA4's SM90 tile (and block-sparse block) for head_dim <= 128
-# Up to this many tokens (batch x sequence) DCA takes one call each way; above, the part calls
-# (bounded memory). Measured: docs/benchmarks.md, "DCA in one FA4 call each way".
+# Up to this many tokens (batch x sequence) DCA takes one call each way; above, the part-call
+# forward and the kernel backward in pieces (bounded memory). Measured: docs/benchmarks.md,
+# "DCA in one FA4 call each way" and "DCA's own backward kernel".
 MAX_TOKENS = 16384
 
 
+def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
+    """Whether DCA's backward kernel (fa4_backward.py) serves DCA on q with chunk length
+    `length` (packed: documents given): kernel fa4 on CUDA bf16/fp16, one document per
+    sequence, L and the sequence multiples of BLOCK, head_dim <= 128. Decided once per call,
+    in its DCAPlan."""
+    head_dim = q.shape[3]
+    return (kernels.fa4_applies(q) and not packed and length % BLOCK == 0
+            and q.shape[1] % BLOCK == 0 and head_dim <= 128 and head_dim % 8 == 0)
+
+
 def applies(q: torch.Tensor, length: int, packed: bool) -> bool:
-    """Whether DCA on q with chunk length `length` (packed: documents given) runs as one FA4
-    call each way (see the module docstring). Decided once per call, in its DCAPlan."""
-    batch, seq, _, head_dim = q.shape
-    return (kernels.fa4_applies(q) and not packed and length % BLOCK == 0 and seq % BLOCK == 0
-            and batch * seq <= MAX_TOKENS and head_dim <= 128 and head_dim % 8 == 0)
+    """Whether both passes run as one call each (see the module docstring): where the kernel
+    applies, up to MAX_TOKENS tokens. Decided once per call, in its DCAPlan."""
+    return kernel_applies(q, length, packed) and q.shape[0] * q.shape[1] <= MAX_TOKENS
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
@@ -74,21 +85,37 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
 
 
 def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, rows: int,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]."""
-    parts, batch = plan.num_parts, q.shape[0]
-    q_rot, k_rot = plan.rotate(q, k)
-    dq_p, dk_rot, dv = fa4_backward.backward(q_rot.flatten(0, 1), k_rot, v, out, dout, lse,
-                                             scale, plan.length)
-    del q_rot, k_rot
-    dq_p = dq_p.unflatten(0, (parts, batch))
-    if plan.q_scale is not None:  # the kernel saw f * q: its dq is d/d(f q)
-        dq_p.mul_(plan.q_scale[:, None, :, None, None])  # [p, 1, s, 1, 1]
-    dq, dk = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k))
-    for b in range(batch):
-        rotate_transpose_sum(list(dq_p[:, b]), list(plan.positions), plan.cos, plan.sin, dq[b])
-        rotate_transpose_sum([dk_rot[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
+    """(dq, dk, dv) of dual_chunk_attention through DCA's backward kernel; out, dout, v
+    contiguous [b, s, h, d].
+
+    The queries go in pieces of at most `rows` rows (rounded down to BLOCK), the last first,
+    each with the keys up to its end (the kernel's bottom-right causal alignment): a piece's dq
+    is complete, its dk and dv add to the later pieces' (summed in float32, rounded once per
+    piece). Only a piece's rotated q and its per-part dq are alive at a time.
+    """
+    batch, seq = q.shape[:2]
+    rows = max(BLOCK, rows // BLOCK * BLOCK)
+    k_rot = plan.rotate_k(k)  # [b, s, hk, d]
+    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    for end in range(seq, 0, -rows):
+        span = slice(max(end - rows, 0), end)
+        q_rot = plan.rotate_parts(q, span)  # [p, b, n, hq, d]
+        dq_p, dk_end, dv_end = fa4_backward.backward(
+            q_rot.flatten(0, 1), k_rot[:, :end], v[:, :end], out[:, span], dout[:, span],
+            lse[:, :, span], scale, plan.length)  # [p * b, n, hq, d], [b, end, hk, d] x 2
+        del q_rot
+        dq_p = dq_p.unflatten(0, (plan.num_parts, batch))
+        if plan.q_scale is not None:  # the kernel saw f * q: its dq is d/d(f q)
+            dq_p.mul_(plan.q_scale[:, None, span, None, None])  # [p, 1, n, 1, 1]
+        accumulate = end < seq  # the first piece (the last rows) reaches every key
+        for b in range(batch):
+            rotate_transpose_sum(list(dq_p[:, b]), list(plan.positions[:, span]), plan.cos,
+                                 plan.sin, dq[b, span])
+            rotate_transpose_sum([dk_end[b]], [plan.positions[0, :end]], plan.cos, plan.sin,
+                                 dk[b, :end], accumulate)
+            rotate_transpose_sum([dv_end[b]], None, plan.cos, plan.sin, dv[b, :end], accumulate)
     return dq, dk, dv
 
 

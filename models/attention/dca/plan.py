@@ -21,12 +21,16 @@ class DCAPlan:
 
     def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
                  mscale: float, bounds: list[int] | None, scaling: DCAScaling,
-                 rope_scaling: RopeScaling | None = None, one_call: bool = False) -> None:
+                 rope_scaling: RopeScaling | None = None, one_call: bool = False,
+                 kernel_backward: bool = False) -> None:
         batch, seq, _, head_dim = q.shape
         self.length = chunk_size - local_size
-        # both passes as one FA4 call each (grouped.py) rather than the part calls: chosen by
-        # the caller once, so forward, backward and CUDA graphs agree
+        # Chosen by the caller once, so forward, backward and CUDA graphs agree (grouped.py):
+        # one_call: both passes as one FA4 call each rather than the part calls;
+        # kernel_backward: the backward through DCA's own kernel (fa4_backward.py), in one
+        # piece with one_call, else in pieces of query rows
         self.one_call = one_call
+        self.kernel_backward = kernel_backward or one_call
         if bounds is None:
             self.docs = [(b, 0, seq) for b in range(batch)]
         else:
@@ -53,10 +57,15 @@ class DCAPlan:
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
-        q_rot = rotate_multi(q, self.positions, self.cos, self.sin)
+        return self.rotate_parts(q), self.rotate_k(k)
+
+    def rotate_parts(self, q: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """Sequence rows `rows` (default all) of q [b, s, hq, d] rotated for every part (times
+        the parts' logit factors, if any): a contiguous [parts, b, s', hq, d]."""
+        q_rot = rotate_multi(q[:, rows], self.positions[:, rows], self.cos, self.sin)
         if self.q_scale is not None:
-            q_rot.mul_(self.q_scale[:, None, :, None, None])  # [parts, 1, s, 1, 1]
-        return q_rot, self.rotate_k(k)
+            q_rot.mul_(self.q_scale[:, None, rows, None, None])  # [parts, 1, s', 1, 1]
+        return q_rot
 
     def rotate_q(self, q: torch.Tensor, part: int, rows: slice = slice(None)) -> torch.Tensor:
         """q [b, s', hq, d] holding sequence rows `rows` (default all), rotated for one part
