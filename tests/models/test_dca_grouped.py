@@ -176,13 +176,14 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
 def test_kernel_backward_pieces_match_the_reference(
         budget: int, batch: int, hq: int, hk: int, monkeypatch: pytest.MonkeyPatch,
         kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
-    """The queries in pieces of at most `budget` rows, the last first, each with the keys up
-    to its end; gradients (dq complete per piece, dk/dv summed over pieces) are the
+    """The queries in even pieces of at most `budget` rows, the last first, each with the keys
+    up to its end; gradients (dq complete per piece, dk/dv summed over pieces) are the
     reference's. 52 tokens with L = 7: 7 chunks and a tail."""
     monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: budget)
     assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
-    rows = min(budget, 52)
-    expected = [(min(rows, end), end) for end in range(52, 0, -rows)]
+    size = -(-52 // -(-52 // budget))  # even pieces
+    expected = [(min(size, end), end) for end in range(52, 0, -size)]
+    assert max(rows for rows, _ in expected) <= budget
     assert kernel_backward_in_pieces == expected
 
 

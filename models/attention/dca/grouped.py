@@ -90,17 +90,18 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     """(dq, dk, dv) of dual_chunk_attention through DCA's backward kernel; out, dout, v
     contiguous [b, s, h, d].
 
-    The queries go in pieces of at most `rows` rows (rounded down to BLOCK), the last first,
+    The queries go in even pieces of at most `rows` rows (multiples of BLOCK), the last first,
     each with the keys up to its end (the kernel's bottom-right causal alignment): a piece's dq
     is complete, its dk and dv add to the later pieces' (summed in float32, rounded once per
     piece). Only a piece's rotated q and its per-part dq are alive at a time.
     """
     batch, seq = q.shape[:2]
-    rows = max(BLOCK, rows // BLOCK * BLOCK)
+    count = -(-seq // max(rows, BLOCK))
+    size = -(-seq // count // BLOCK) * BLOCK
     k_rot = plan.rotate_k(k)  # [b, s, hk, d]
-    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    for end in range(seq, 0, -rows):
-        span = slice(max(end - rows, 0), end)
+    dq = dk = dv = None
+    for end in range(seq, 0, -size):
+        span = slice(max(end - size, 0), end)
         q_rot = plan.rotate_parts(q, span)  # [p, b, n, hq, d]
         dq_p, dk_end, dv_end = fa4_backward.backward(
             q_rot.flatten(0, 1), k_rot[:, :end], v[:, :end], out[:, span], dout[:, span],
@@ -109,13 +110,18 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
         dq_p = dq_p.unflatten(0, (plan.num_parts, batch))
         if plan.q_scale is not None:  # the kernel saw f * q: its dq is d/d(f q)
             dq_p.mul_(plan.q_scale[:, None, span, None, None])  # [p, 1, n, 1, 1]
-        accumulate = end < seq  # the first piece (the last rows) reaches every key
+        first = dq is None  # the first piece (the last rows) reaches every key
+        if first:
+            dq, dk = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k))
+            dv = dv_end
         for b in range(batch):
             rotate_transpose_sum(list(dq_p[:, b]), list(plan.positions[:, span]), plan.cos,
                                  plan.sin, dq[b, span])
             rotate_transpose_sum([dk_end[b]], [plan.positions[0, :end]], plan.cos, plan.sin,
-                                 dk[b, :end], accumulate)
-            rotate_transpose_sum([dv_end[b]], None, plan.cos, plan.sin, dv[b, :end], accumulate)
+                                 dk[b, :end], accumulate=not first)
+            if not first:
+                rotate_transpose_sum([dv_end[b]], None, plan.cos, plan.sin, dv[b, :end],
+                                     accumulate=True)
     return dq, dk, dv
 
 
