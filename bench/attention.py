@@ -114,10 +114,9 @@ def dca(chunk_size: int, local_size: int, name: str = "dca",
     call forward, DCA's backward kernel in one piece), "pieces" (the part-call forward, the
     kernel backward in pieces of query rows) or "parts" (the part calls both ways). Forced
     around the call, where DCA makes its plan: its backward follows the plan."""
-    rules = {"default": {},
-             "one_call": {"MAX_TOKENS": 1 << 40},
-             "pieces": {"MAX_TOKENS": 0},
-             "parts": {"MAX_TOKENS": 0, "kernel_applies": lambda q, length, packed: False}}[path]
+    rules = {"default": {}, "one_call": {"MAX_TOKENS": 1 << 40}, "pieces": {"MAX_TOKENS": 0},
+             "parts": {}}[path]
+    backward = {"pieces": "kernel", "parts": "parts"}.get(path, "auto")  # dca_backward
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         defaults = {key: getattr(grouped, key) for key in rules}
@@ -125,7 +124,7 @@ def dca(chunk_size: int, local_size: int, name: str = "dca",
             setattr(grouped, key, value)
         try:
             return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
-                                        cuda_graphs=cuda_graphs)
+                                        cuda_graphs=cuda_graphs, backward=backward)
         finally:
             for key, value in defaults.items():
                 setattr(grouped, key, value)

@@ -58,6 +58,10 @@ class AttentionConfig:
     dca_scaling_attn_scale: float = 0.1
     dca_scaling_floor_scale: int = 8192  # log only
     dca_scaling_original_length: int | None = None  # yarn only; None: dca_chunk_size
+    # DCA's backward under FA4 (models/attention/dca/grouped.py): auto (DCA's own kernel up to
+    # 16K tokens, the bounded part calls above) | kernel (the kernel at every length, in pieces
+    # above 16K: faster, more transient memory) | parts (the part calls always)
+    dca_backward: str = "auto"
     chunk_size: int = 8192
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
     head_wise_attn_gate: bool = False

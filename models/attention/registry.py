@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from models.attention.dca.grouped import check_backward
 from models.attention.dca.scaling import DCAScaling
 from models.schema import AttentionConfig
 
@@ -78,6 +79,7 @@ def _check_dca(attention: AttentionConfig) -> None:
         raise ValueError(f"dca_chunk_size ({chunk}) must exceed dca_local_size ({local}); the "
                          "chunk length is their difference")
     dca_scaling(attention)  # its own checks name the bad setting
+    check_backward(attention.dca_backward)
 
 
 def _check_chunked(attention: AttentionConfig) -> None:

@@ -112,7 +112,8 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
     grads: 1 to 3 [s, h, d] tensors (any strides with a unit last stride, any float dtype,
     summed in float32 or float64); positions: matching contiguous [s] int32 rows of the tables,
     or None for a plain sum; out: [s, h, d], written in place, or added to (`accumulate`: out
-    joins the sum before its one rounding).
+    joins the sum before its one rounding). out may be grads[0] itself (each row is read
+    before it is written).
     """
     if not 1 <= len(grads) <= 3:
         raise ValueError(f"rotate_transpose_sum takes 1 to 3 gradients, got {len(grads)}")

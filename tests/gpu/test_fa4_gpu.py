@@ -139,11 +139,12 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     of 1024 query rows) or "one call" (grouped.py: the parts as one forward call's batch, DCA's
     backward kernel, fa4_backward.py, in one piece); checks that it ran."""
     taken = {"forward": 0, "backward": 0, "kernel": 0}
-    if request.param in ("parts", "pieces"):
-        monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
-    if request.param == "parts":
-        monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
+    paths = grouped.paths
+    setting = {"parts": "parts", "pieces": "kernel", "one call": "auto"}[request.param]
+    monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
+        q, length, packed, setting))  # dca_backward
     if request.param == "pieces":
+        monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
         monkeypatch.setattr(dca_backward, "MIN_ROWS_PER_CALL", 1024)
 
     def counting(name: str):  # noqa: ANN202

@@ -109,6 +109,28 @@ def test_applies_only_where_the_one_call_is_exact_and_small(
     assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
 
 
+@pytest.mark.parametrize(("backward", "seq", "expected"), [
+    ("auto", 4096, (True, True)), ("auto", 32768, (False, False)),
+    ("kernel", 4096, (True, True)), ("kernel", 32768, (False, True)),
+    ("parts", 4096, (False, False)), ("parts", 32768, (False, False)),
+])
+def test_dca_backward_setting_picks_the_paths(backward: str, seq: int, expected: tuple,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """(one call, kernel backward) per `dca_backward`, where the kernel applies (FA4, aligned)."""
+    monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
+    assert grouped.paths(torch.zeros(1, seq, 4, 64), 896, False, backward) == expected
+    monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)
+    assert grouped.paths(torch.zeros(1, seq, 4, 64), 896, False, backward) == (False, False)
+
+
+def test_dca_backward_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="dca_backward must be one of auto | kernel | parts"):
+        grouped.paths(torch.zeros(1, 64, 2, 8), 16, False, "fast")
+    q = torch.zeros(1, 64, 2, 8)
+    with pytest.raises(ValueError, match="dca_backward"):
+        dual_chunk_attention(q, q, q, chunk_size=16, local_size=4, backward="fast")
+
+
 def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward and the backward follow the plan's choice, not the rule at their own time
     (a benchmark forcing a path around the forward only must still time that path)."""
@@ -164,7 +186,10 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
     def recorded(q_rot, k_rot, *args):  # noqa: ANN001, ANN002, ANN202
         calls.append((q_rot.shape[1], k_rot.shape[1]))
         return dense_kernel_backward(q_rot, k_rot, *args)
+    paths = grouped.paths
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
+    monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
+        q, length, packed, "kernel"))  # dca_backward=kernel
     monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
     monkeypatch.setattr(grouped, "BLOCK", 1)
     monkeypatch.setattr(fa4_backward, "backward", recorded)

@@ -69,11 +69,12 @@ def test_chunked_interleaves_global_layers_without_rope(single_process) -> None:
 
 
 def test_dca_layers_skip_megatron_rope(single_process) -> None:
-    cfg = compose_config(["+attention=dca"])
+    cfg = compose_config(["+attention=dca", "attention.dca_backward=kernel"])
     config = transformer_config(cfg.model, cfg.attention)
     assert config.no_rope_freq == [1] * cfg.model.num_layers
     model = build_gpt(config, 384, SEQ)
     assert all(isinstance(layer.self_attention.core_attention, DCACoreAttention)
+               and layer.self_attention.core_attention.backward == "kernel"
                for layer in model.decoder.layers)
 
 
@@ -81,6 +82,8 @@ def test_dca_layers_skip_megatron_rope(single_process) -> None:
     (["attention.dca_chunk_size=64", "attention.dca_local_size=64"],
      r"dca_chunk_size \(64\) must exceed dca_local_size \(64\)"),
     (["attention.dca_local_size=0"], "must be positive"),
+    (["attention.dca_backward=fast"],
+     r"dca_backward must be one of auto \| kernel \| parts, got 'fast'"),
 ])
 def test_dca_config_errors_are_early_and_clear(overrides, message) -> None:
     cfg = compose_config(["+attention=dca"] + overrides)

@@ -134,7 +134,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                          cu_seqlens: torch.Tensor | Sequence[int] | None = None,
                          scaling: DCAScaling | None = None,
                          rope_scaling: RopeScaling | None = None,
-                         cuda_graphs: bool = False) -> torch.Tensor:
+                         cuda_graphs: bool = False, backward: str = "auto") -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
     q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], kv_heads
@@ -145,17 +145,19 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `scaling`: optional length-dependent logit scaling (scaling.py; default none).
     `cuda_graphs`: replay the forward and backward as CUDA graphs captured per shape
     (graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
+    `backward`: under FA4, auto | kernel | parts (grouped.paths: where DCA's own backward
+    kernel runs; kernel trades transient memory above 16K tokens for speed).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)
     check_qkv(q, k, v)
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    length, packed = chunk_size - local_size, bounds is not None
+    one_call, kernel_backward = grouped.paths(q, chunk_size - local_size, bounds is not None,
+                                              backward)
     plan = DCAPlan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                   scaling or DCAScaling(), rope_scaling,
-                   one_call=grouped.applies(q, length, packed),
-                   kernel_backward=grouped.kernel_applies(q, length, packed))
+                   scaling or DCAScaling(), rope_scaling, one_call=one_call,
+                   kernel_backward=kernel_backward)
     if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,

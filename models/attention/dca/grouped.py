@@ -47,6 +47,7 @@ BLOCK = 128  # FA4's SM90 tile (and block-sparse block) for head_dim <= 128
 # forward and the kernel backward in pieces (bounded memory). Measured: docs/benchmarks.md,
 # "DCA in one FA4 call each way" and "DCA's own backward kernel".
 MAX_TOKENS = 16384
+BACKWARDS = ("auto", "kernel", "parts")  # the dca_backward setting (`paths`)
 
 
 def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
@@ -63,6 +64,22 @@ def applies(q: torch.Tensor, length: int, packed: bool) -> bool:
     """Whether both passes run as one call each (see the module docstring): where the kernel
     applies, up to MAX_TOKENS tokens. Decided once per call, in its DCAPlan."""
     return kernel_applies(q, length, packed) and q.shape[0] * q.shape[1] <= MAX_TOKENS
+
+
+def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> tuple[bool, bool]:
+    """(one_call, kernel_backward) for DCA on q under the `dca_backward` setting: auto (the
+    kernel where the one call applies, the bounded part calls above), kernel (the kernel
+    wherever it applies, in pieces above MAX_TOKENS) or parts (the part calls)."""
+    check_backward(backward)
+    if backward == "parts":
+        return False, False
+    one_call = applies(q, length, packed)
+    return one_call, one_call or (backward == "kernel" and kernel_applies(q, length, packed))
+
+
+def check_backward(backward: str) -> None:
+    if backward not in BACKWARDS:
+        raise ValueError(f"dca_backward must be one of {' | '.join(BACKWARDS)}, got {backward!r}")
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
@@ -110,15 +127,15 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
         dq_p = dq_p.unflatten(0, (plan.num_parts, batch))
         if plan.q_scale is not None:  # the kernel saw f * q: its dq is d/d(f q)
             dq_p.mul_(plan.q_scale[:, None, span, None, None])  # [p, 1, n, 1, 1]
-        first = dq is None  # the first piece (the last rows) reaches every key
-        if first:
-            dq, dk = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k))
-            dv = dv_end
+        first = dq is None  # the first piece (the last rows) reaches every key: its dk and
+        if first:  # dv become the gradients (dk rotated back in place), later pieces add
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            dk, dv = dk_end, dv_end
         for b in range(batch):
             rotate_transpose_sum(list(dq_p[:, b]), list(plan.positions[:, span]), plan.cos,
                                  plan.sin, dq[b, span])
             rotate_transpose_sum([dk_end[b]], [plan.positions[0, :end]], plan.cos, plan.sin,
-                                 dk[b, :end], accumulate=not first)
+                                 dk[b, :end], accumulate=not first)  # in place when first
             if not first:
                 rotate_transpose_sum([dv_end[b]], None, plan.cos, plan.sin, dv[b, :end],
                                      accumulate=True)

@@ -33,6 +33,7 @@ class DCACoreAttention(CoreAttention):
         self.mscale = attention_factor(config.rope_scaling)
         self.scaling = dca_scaling(config.attention)
         self.cuda_graphs = config.dca_cuda_graphs
+        self.backward = config.attention.dca_backward
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -40,7 +41,7 @@ class DCACoreAttention(CoreAttention):
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, scaling=self.scaling, rope_scaling=self.rope_scaling,
-            cuda_graphs=self.cuda_graphs,
+            cuda_graphs=self.cuda_graphs, backward=self.backward,
         )
 
     def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
