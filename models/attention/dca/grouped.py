@@ -139,6 +139,7 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
             if not first:
                 rotate_transpose_sum([dv_end[b]], None, plan.cos, plan.sin, dv[b, :end],
                                      accumulate=True)
+        del dq_p, dk_end, dv_end  # before the next piece's kernel allocates its own
     return dq, dk, dv
 
 
