@@ -11,6 +11,8 @@
 #           in pieces, and as one call each way (models/attention/dca/grouped.py): 8K C = 2048
 #           synchronised, back to back and as CUDA graphs; 16K with C = 8192 and 2048 back to
 #           back and 32K synchronised (where MAX_TOKENS comes from)
+#   kernel  DCA's backward kernel in pieces (attention.dca_backward=kernel) against the part
+#           calls at 32K and 128K, and gpt_1p3b DCA at 32K / 128K under both settings
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
@@ -54,6 +56,17 @@ for stage in "$@"; do
                  --variants fa4,dca_fa4_parts,dca_fa4_pieces,dca_fa4_one_call
              } > "$OUT/bench.log" 2>&1
              grep -E "^\| (8192|16384|32768)" "$OUT/bench.log" ;;
+    kernel) "$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4 \
+              --seqs 32768,131072 --variants fa4,dca_fa4_parts,dca_fa4_pieces \
+              --out "$OUT/pieces.json" > "$OUT/pieces.log" 2>&1
+            "$PYTHON" bench/train.py --models gpt_1p3b --attention dca --seqs 32768 131072 \
+              --steps 8 --warmup 3 --steps-for 131072:5:2 --set trainer.fused_norm=true \
+              trainer.fused_rope=true logger=none attention.kernel=fa4 \
+              --set-for 131072 trainer.recompute=full \
+              --variant auto attention.dca_backward=auto \
+              --variant kernel attention.dca_backward=kernel \
+              --out "$OUT/train_kernel.json" > "$OUT/train_kernel.log" 2>&1
+            grep -E "^\| (32768|131072|gpt)" "$OUT/pieces.log" "$OUT/train_kernel.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
