@@ -75,9 +75,9 @@ def rows_per_call(tokens: int) -> int:
 def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]. Under FA4
-    (where grouped.kernel_applies), DCA's own backward kernel: in one piece for the one-call
-    path, else in pieces of at most rows_per_call query rows (grouped.py)."""
+    """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]. Where the
+    plan chose DCA's own backward kernel (grouped.paths): in one piece on the one-call path,
+    else in pieces of at most rows_per_call query rows (grouped.backward)."""
     if plan.kernel_backward:
         rows = q.shape[1] if plan.one_call else rows_per_call(q.shape[0] * q.shape[1])
         return grouped.backward(plan, scale, q, k, v, out, lse, dout, rows)

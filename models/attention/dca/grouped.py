@@ -25,9 +25,10 @@ documents, the chunk length L and the sequence multiples of BLOCK (each block th
 query chunk and one key chunk: only intra's diagonal blocks are partly masked). Up to
 MAX_TOKENS tokens (`applies`) both passes are one call each; they hold every part's rotated q,
 out and dq at once (about three times q's size each, dq in float32 too). Above, the forward is
-the part calls (bounded memory) and the backward is the kernel over pieces of query rows (the
-part calls' row budget), so memory stays bounded there too. K/V enter the forward as stride-0
-views over the parts (copies for batch > 1).
+the part calls (bounded memory), and so is the backward under `dca_backward=auto`; under
+`kernel` (`paths`) the backward is the kernel over pieces of query rows (the part calls' row
+budget): faster, with more transient memory (docs/benchmarks.md). K/V enter the forward as
+stride-0 views over the parts (copies for batch > 1).
 """
 
 from __future__ import annotations
