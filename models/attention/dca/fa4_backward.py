@@ -25,6 +25,8 @@ kernels.fa4_applies.
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import torch
 
@@ -245,15 +247,24 @@ def _kernel_class() -> type:
     return DCABackwardSm90
 
 
-_COMPILED: dict[tuple, object] = {}
+@functools.cache
+def _compile_cache():  # noqa: ANN202
+    """FA4's JIT cache (on disk across runs where FA4's is, as kernels.py sets it up), its
+    entries fingerprinted by FA4's sources and, through the key, by this file's."""
+    from flash_attn.cute.cache_utils import get_jit_cache
+    return get_jit_cache("dca_bwd")
+
+
+_SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
               parts: int, tensors: tuple[torch.Tensor, ...], scale: float):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch)."""
-    key = (dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
-    if key not in _COMPILED:
+    cache = _compile_cache()
+    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
+    if key not in cache:
         import cutlass.cute as cute
         from flash_attn.cute import interface as fa
 
@@ -268,9 +279,9 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
             length=length, parts=parts)
         cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
-        _COMPILED[key] = cute.compile(
+        cache[key] = cute.compile(
             kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
             None, fa.AuxData(None, None), None, None,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options="--enable-tvm-ffi")
-    return _COMPILED[key]
+    return cache[key]

@@ -30,7 +30,7 @@ class DCAPlan:
         # kernel_backward: the backward through DCA's own kernel (fa4_backward.py), in one
         # piece with one_call, else in pieces of query rows
         self.one_call = one_call
-        self.kernel_backward = kernel_backward or one_call
+        self.kernel_backward = kernel_backward
         if bounds is None:
             self.docs = [(b, 0, seq) for b in range(batch)]
         else:
