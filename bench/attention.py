@@ -110,10 +110,10 @@ def fa4() -> Variant:
 
 def dca(chunk_size: int, local_size: int, name: str = "dca",
         cuda_graphs: bool = False, kernel: str = "cudnn", path: str = "default") -> Variant:
-    """`path`, under fa4: "default" (dca/grouped.py's rules), or forced: "one_call" (one FA4
-    call forward, DCA's backward kernel in one piece), "pieces" (the part-call forward, the
-    kernel backward in pieces of query rows) or "parts" (the part calls both ways). Forced
-    around the call, where DCA makes its plan: its backward follows the plan."""
+    """`path`, under fa4: "default" (dca/grouped.py's rules), or forced: "one_call" (DCA's
+    forward kernel, its backward kernel in one piece), "pieces" (both kernels, the backward in
+    pieces of query rows) or "parts" (the part calls both ways). Forced around the call, where
+    DCA makes its plan: its backward follows the plan."""
     rules = {"default": {}, "one_call": {"MAX_TOKENS": 1 << 40}, "pieces": {"MAX_TOKENS": 0},
              "parts": {}}[path]
     backward = {"pieces": "kernel", "parts": "parts"}.get(path, "auto")  # dca_backward
@@ -159,8 +159,8 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_fa4": lambda a: dca(a.dca_chunk, a.dca_local, "dca_fa4", kernel="fa4"),
     "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
                                    kernel="fa4"),
-    # DCA on FA4 forced onto one path (dca(path=...)): its part calls both ways, the part-call
-    # forward with the kernel backward in pieces, or one call each way (grouped.py)
+    # DCA on FA4 forced onto one path (dca(path=...)): its part calls both ways, or its kernels
+    # with the backward in pieces or in one piece (grouped.py)
     **{f"dca{size}_fa4_{path}": (lambda a, size=size, path=path: dca(
         a.dca_chunk if size == "" else a.dca_small_chunk,
         a.dca_local if size == "" else a.dca_small_chunk // 8, f"dca_fa4_{path}",

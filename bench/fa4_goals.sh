@@ -13,6 +13,10 @@
 #           back and 32K synchronised (where MAX_TOKENS comes from)
 #   kernel  DCA's backward kernel in pieces (attention.dca_backward=kernel) against the part
 #           calls at 32K and 128K, and gpt_1p3b DCA at 32K / 128K under both settings
+#   forward DCA's forward kernel (models/attention/dca/fa4_forward.py; the default wherever DCA's
+#           kernels apply) against the part calls: 8K C = 2048 back to back; 32K and 128K
+#           with the part-call backward (auto) and the kernel backward in pieces; gpt_1p3b
+#           DCA at 32K / 128K under auto and kernel, standard attention beside them
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
@@ -67,6 +71,20 @@ for stage in "$@"; do
               --variant kernel attention.dca_backward=kernel \
               --out "$OUT/train_kernel.json" > "$OUT/train_kernel.log" 2>&1
             grep -E "^\| (32768|131072|gpt)" "$OUT/pieces.log" "$OUT/train_kernel.log" ;;
+    forward) A=("$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4)
+             { "${A[@]}" --seqs 8192 --back-to-back 20 --out "$OUT/b8k.json" \
+                 --variants sdpa_cudnn,fa4,dca_small_fa4_parts,dca_small_fa4
+               "${A[@]}" --seqs 32768,131072 --out "$OUT/long.json" \
+                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4,dca_fa4_pieces
+             } > "$OUT/bench.log" 2>&1
+             "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
+               --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
+               --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
+               attention.kernel=fa4 --set-for 131072 trainer.recompute=full \
+               --variant auto attention.dca_backward=auto \
+               --variant kernel attention.dca_backward=kernel \
+               --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+             grep -E "^\| (8192|32768|131072|gpt)" "$OUT/bench.log" "$OUT/train.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \

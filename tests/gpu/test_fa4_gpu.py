@@ -1,7 +1,7 @@
 """Every FlashAttention-4 path (attention.kernel=fa4, models/attention/kernels.py) in bf16
 against the float64 references: standard causal (flash_attn_func, varlen for packed documents),
 the LSE part calls with a merged-LSE backward (DCA's parts; the kept-attention causal path of
-full recompute), DCA's parts as one block-sparse call each way (dca/grouped.py), chunked
+full recompute), DCA's own forward and backward kernels (dca/grouped.py), chunked
 attention (one varlen call over the chunks); MHA and GQA; outputs and gradients. Each test
 also checks that FA4 ran: no call fell back to cuDNN.
 
@@ -22,7 +22,7 @@ from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
 from models.attention.dca import backward as dca_backward
-from models.attention.dca import fa4_backward, grouped
+from models.attention.dca import fa4_backward, fa4_forward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
@@ -135,42 +135,43 @@ def test_chunked(hk: int, packed: bool) -> None:
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group, both passes), "pieces" (the part calls forward, DCA's backward kernel over pieces
-    of 1024 query rows) or "one call" (grouped.py: the parts as one forward call's batch, DCA's
-    backward kernel, fa4_backward.py, in one piece); checks that it ran."""
-    taken = {"forward": 0, "backward": 0, "kernel": 0}
+    group, both passes), "forward kernel" (DCA's forward kernel, fa4_forward.py, with the part
+    calls backward: auto above 16K tokens), "pieces" (both kernels, the backward over pieces of
+    1024 query rows) or "one call" (both kernels, the backward in one piece); checks that it
+    ran."""
+    taken = {"forward": 0, "backward": 0, "forward kernel": 0, "backward kernel": 0}
     paths = grouped.paths
-    setting = {"parts": "parts", "pieces": "kernel", "one call": "auto"}[request.param]
+    setting = {"parts": "parts", "forward kernel": "auto", "pieces": "kernel",
+               "one call": "auto"}[request.param]
     monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
         q, length, packed, setting))  # dca_backward
-    if request.param == "pieces":
+    if request.param in ("pieces", "forward kernel"):
         monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
         monkeypatch.setattr(dca_backward, "MIN_ROWS_PER_CALL", 1024)
 
-    def counting(name: str):  # noqa: ANN202
-        fn = getattr(grouped, name)
+    def counting(module, name: str, key: str) -> None:  # noqa: ANN001
+        fn = getattr(module, name)
 
         def counted(*args):  # noqa: ANN002, ANN202
-            taken[name] += 1
+            taken[key] += 1
             return fn(*args)
-        return counted
+        monkeypatch.setattr(module, name, counted)
 
-    for name in ("forward", "backward"):
-        monkeypatch.setattr(grouped, name, counting(name))
-    kernel = fa4_backward.backward
-
-    def counted_kernel(*args):  # noqa: ANN002, ANN202
-        taken["kernel"] += 1
-        return kernel(*args)
-    monkeypatch.setattr(fa4_backward, "backward", counted_kernel)
+    counting(grouped, "forward", "forward")
+    counting(grouped, "backward", "backward")
+    counting(fa4_forward, "forward", "forward kernel")
+    counting(fa4_backward, "backward", "backward kernel")
     yield request.param
     if request.param == "parts":
         assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0 and not any(taken.values())
-    elif request.param == "pieces":
-        assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] == 0 and not taken["forward"]
-        assert taken["backward"] and taken["kernel"] > taken["backward"]  # several pieces
+    elif request.param == "forward kernel":
+        assert fa4_counted["fwd"] == 0 and fa4_counted["bwd"] > 0
+        assert taken["forward"] == taken["forward kernel"] > 0 and not taken["backward"]
     else:
         assert fa4_counted == {"fwd": 0, "bwd": 0} and all(taken.values())
+        assert taken["forward kernel"] == taken["forward"]  # one call
+        if request.param == "pieces":
+            assert taken["backward kernel"] > taken["backward"]  # several pieces
 
 
 def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None = None,  # noqa: ANN001
@@ -185,7 +186,8 @@ def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None =
     return errors
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["parts", "forward kernel", "pieces", "one call"],
+                         indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
 def test_dca(hk: int, dca_path: str) -> None:
     """DCA's intra/successive/inter parts with their LSE, merged; the backward calls FA4 with
@@ -193,7 +195,8 @@ def test_dca(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["forward kernel", "pieces", "one call"],
+                         indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     """L = 1024 (C = 2048, w = 1024, the 8K benchmark's) over 6 chunks: every part has
@@ -205,7 +208,8 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["forward kernel", "pieces", "one call"],
+                         indirect=True)
 def test_dca_batch_2_and_head_dim_64(dca_path: str) -> None:
     """Batch 2 (K/V then copied per part, the parts part-major in the call's batch) and head
     dim 64 (FA4's other tile shapes), GQA."""
@@ -218,21 +222,21 @@ def test_dca_batch_2_and_head_dim_64(dca_path: str) -> None:
 
 @pytest.mark.parametrize("dca_path", ["one call"], indirect=True)
 def test_dca_one_call_two_chunks(dca_path: str) -> None:
-    """Two chunks (C < S <= 2L): no inter part, so the backward kernel's parts are two."""
+    """Two chunks (C < S <= 2L): no inter part, so the kernels' parts are two."""
     _check(_dca_errors(*_inputs(1792, 8, 2), 1024, 128))
 
 
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -> None:
-    """Packed documents: the one-call path counts chunks from the sequence's start, so the
-    part calls (LSE calls, which the one-call path never makes) run though the problem is
-    small."""
+    """Packed documents: DCA's kernels count chunks from the sequence's start, so the part
+    calls (LSE calls, which the kernels' path never makes) run though the problem is small."""
     cu = torch.tensor([0, 700, 2500, 2600, 4096], dtype=torch.int32, device="cuda")
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128, cu))
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["parts", "forward kernel", "pieces", "one call"],
+                         indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_replayed_as_cuda_graphs(hk: int, dca_path: str) -> None:
     """FA4's DCA calls captured in DCA's CUDA graphs (graphs.py): the replays compute the same

@@ -76,9 +76,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
 
     One part at a time, so only its rotated q is alive; intra and successive partials wait for
     their chunk's inter call, and each chunk merges right after it, so partials die early.
-    Small FA4 problems take one call for all parts instead (grouped.py).
+    Where DCA's FA4 kernels apply, its forward kernel takes all parts in one call (grouped.py).
     """
-    if plan.one_call:
+    if plan.paths.forward:
         return grouped.forward(q, k, v, plan, scale)
     batch, seq, heads, _ = q.shape
     k_rot = plan.rotate_k(k)
@@ -146,18 +146,17 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `cuda_graphs`: replay the forward and backward as CUDA graphs captured per shape
     (graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
     `backward`: under FA4, auto | kernel | parts (grouped.paths: where DCA's own backward
-    kernel runs; kernel trades transient memory above 16K tokens for speed).
+    kernel runs, kernel trading transient memory above 16K tokens for speed; parts: the part
+    calls both ways, DCA's forward kernel included).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)
     check_qkv(q, k, v)
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    one_call, kernel_backward = grouped.paths(q, chunk_size - local_size, bounds is not None,
-                                              backward)
+    paths = grouped.paths(q, chunk_size - local_size, bounds is not None, backward)
     plan = DCAPlan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                   scaling or DCAScaling(), rope_scaling, one_call=one_call,
-                   kernel_backward=kernel_backward)
+                   scaling or DCAScaling(), rope_scaling, paths)
     if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
@@ -167,7 +166,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
             and not torch.cuda.is_current_stream_capturing()):
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
                float(mscale), scale, scaling, rope_scaling, kernels.active(),
-               plan.one_call, plan.kernel_backward)
+               plan.paths)
         graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 

@@ -1,58 +1,44 @@
-"""Dual Chunk Attention in one kernel call each way, on FlashAttention-4.
+"""Dual Chunk Attention through its own kernels, on FlashAttention-4.
 
 The part-call path (attention.py, backward.py) makes a kernel call per part and chunk group
-(dozens at 8K with small chunks), each with its own launch, pre/post-processing and merge. Here:
+(dozens at 8K with small chunks), each with its own launch, pre/post-processing and merge. DCA's
+kernels, both derived from FA4's SM90 causal kernels, do causal attention's loop instead, taking
+each (query block, key block) pair's query from its part's rotated copy:
 
-Forward: the three rotated query sets (intra, successive, inter) are the batch entries of one
-FA4 call over the same rotated keys, and a block-sparse pattern gives each entry its own key
-blocks:
+Forward (fa4_forward.py): one call; the query tile is reloaded where its key loop crosses into
+the next part, and the online softmax runs on across, so out and lse leave it merged.
 
-    part p, query block m (in chunk c):  intra       key blocks of chunk c before m (full), m
-                                                     itself (masked: causal)
-                                         successive  the blocks of chunk c - 1 (full)
-                                         inter       the blocks of chunks 0 .. c - 2 (full)
-
-so the kernel does causal attention's work and skips the rest. Every listed block lies on or
-below the diagonal, so FA4's causal flag masks exactly intra's diagonal blocks (and brings its
-longest-first tile order). One merge of the three (out, lse) follows.
-
-Backward: DCA's own kernel (fa4_backward.py: FA4's causal backward taking each query block
-from its part's rotated q), with the merged out and lse (the global-LSE recipe, as in
+Backward (fa4_backward.py): with the merged out and lse (the global-LSE recipe, as in
 backward.py); dK/dV leave it summed over the parts, dq per part, rotated back and summed once.
 
-Where the kernel applies (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no packed
-documents, the chunk length L and the sequence multiples of BLOCK (each block then lies in one
-query chunk and one key chunk: only intra's diagonal blocks are partly masked). Up to
-MAX_TOKENS tokens (`applies`) both passes are one call each; they hold every part's rotated q,
-out and dq at once (about three times q's size each, dq in float32 too). Above, the forward is
-the part calls (bounded memory), and so is the backward under `dca_backward=auto`; under
-`kernel` (`paths`) the backward is the kernel over pieces of query rows (the part calls' row
-budget): faster, with more transient memory (docs/benchmarks.md). K/V enter the forward as
-stride-0 views over the parts (copies for batch > 1).
+Where the kernels apply (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no packed documents,
+the chunk length L and the sequence multiples of BLOCK (each tile then lies in one query chunk
+and one key chunk: only intra's diagonal tiles are partly masked). The forward holds every
+part's rotated q (three times q's size) for its one call. The backward holds them and the
+per-part dq (in float32 too), so it runs in one piece up to MAX_TOKENS tokens and, above, under
+`dca_backward=kernel`, in pieces of query rows (the part calls' row budget): faster than the
+part calls, with more transient memory (docs/benchmarks.md); `auto` takes the part calls there.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from models.attention import kernels
-from models.attention.dca import fa4_backward
-from models.attention.dca.plan import DCAPlan
-from models.attention.lse_attention import merge_partials
+from models.attention.dca import fa4_backward, fa4_forward
+from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.rope import rotate_transpose_sum
 
-BLOCK = 128  # FA4's SM90 tile (and block-sparse block) for head_dim <= 128
-# Up to this many tokens (batch x sequence) DCA takes one call each way; above, the part-call
-# forward and the kernel backward in pieces (bounded memory). Measured: docs/benchmarks.md,
-# "DCA in one FA4 call each way" and "DCA's own backward kernel".
+BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
+# Up to this many tokens (batch x sequence) the backward kernel runs in one piece; above, in
+# pieces under dca_backward=kernel (else the part calls: bounded memory). Measured:
+# docs/benchmarks.md, "DCA in one FA4 call each way" and "DCA's own backward kernel".
 MAX_TOKENS = 16384
 BACKWARDS = ("auto", "kernel", "parts")  # the dca_backward setting (`paths`)
 
 
 def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
-    """Whether DCA's backward kernel (fa4_backward.py) serves DCA on q with chunk length
+    """Whether DCA's kernels (fa4_forward.py, fa4_backward.py) serve DCA on q with chunk length
     `length` (packed: documents given): kernel fa4 on CUDA bf16/fp16, one document per
     sequence, L and the sequence multiples of BLOCK, head_dim <= 128. Decided once per call,
     in its DCAPlan."""
@@ -61,21 +47,16 @@ def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
             and q.shape[1] % BLOCK == 0 and head_dim <= 128 and head_dim % 8 == 0)
 
 
-def applies(q: torch.Tensor, length: int, packed: bool) -> bool:
-    """Whether both passes run as one call each (see the module docstring): where the kernel
-    applies, up to MAX_TOKENS tokens. Decided once per call, in its DCAPlan."""
-    return kernel_applies(q, length, packed) and q.shape[0] * q.shape[1] <= MAX_TOKENS
-
-
-def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> tuple[bool, bool]:
-    """(one_call, kernel_backward) for DCA on q under the `dca_backward` setting: auto (the
-    kernel where the one call applies, the bounded part calls above), kernel (the kernel
-    wherever it applies, in pieces above MAX_TOKENS) or parts (the part calls)."""
+def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> KernelPaths:
+    """Where DCA's kernels run on q under the `dca_backward` setting: auto (the forward kernel
+    wherever it applies, the backward kernel where it takes one piece, up to MAX_TOKENS tokens;
+    the bounded part calls above), kernel (both kernels wherever they apply, the backward in
+    pieces above MAX_TOKENS) or parts (the part calls both ways)."""
     check_backward(backward)
-    if backward == "parts":
-        return False, False
-    one_call = applies(q, length, packed)
-    return one_call, one_call or (backward == "kernel" and kernel_applies(q, length, packed))
+    if backward == "parts" or not kernel_applies(q, length, packed):
+        return KernelPaths()
+    one_piece = q.shape[0] * q.shape[1] <= MAX_TOKENS
+    return KernelPaths(True, backward == "kernel" or one_piece, one_piece)
 
 
 def check_backward(backward: str) -> None:
@@ -85,20 +66,14 @@ def check_backward(backward: str) -> None:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s] float32) of all parts."""
-    parts, batch = plan.num_parts, q.shape[0]
+    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts, from DCA's
+    forward kernel; v contiguous."""
+    batch, seq, heads, _ = q.shape
     q_rot, k_rot = plan.rotate(q, k)  # [p, b, s, hq, d], [b, s, hk, d]
-    sparsity = _sparsity(q.shape[1], plan.length, parts, batch, q.device)
-    out_p, lse_p = kernels.fa4_module()._flash_attn_fwd(
-        q_rot.flatten(0, 1), _over_parts(k_rot, parts), _over_parts(v, parts),
-        softmax_scale=scale, causal=True, block_sparse_tensors=sparsity,
-        return_lse=True)[:2]
-    out_p = out_p.unflatten(0, (parts, batch))  # [p, b, s, hq, d]
-    lse_p = lse_p.unflatten(0, (parts, batch))  # [p, b, hq, s]; -inf: a part without keys
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(lse_p.shape[1:], dtype=torch.float32, device=q.device)
-    for b in range(batch):
-        merge_partials(list(out_p[:, b]), list(lse_p[:, b]), out[b], lse[b])
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64: tests
+    lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)
+    fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, out, lse)
     return out, lse
 
 
@@ -142,42 +117,3 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
                                      accumulate=True)
         del dq_p, dk_end, dv_end  # before the next piece's kernel allocates its own
     return dq, dk, dv
-
-
-def _over_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
-    """x [b, ...] as [parts * b, ...]: the same memory for every part (a copy only for b > 1)."""
-    return x.unsqueeze(0).expand(parts, *x.shape).flatten(0, 1)
-
-
-def block_lists(seq: int, length: int,
-                parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The key blocks each part's query blocks meet, as FA4's forward block-sparse lists (CPU
-    int32): (masked count [p, rows], masked index [p, rows, 1], full count [p, rows], full
-    index [p, rows, cols]); indices ascend, packed left.
-    """
-    blocks, per_chunk = seq // BLOCK, length // BLOCK
-    chunk = torch.arange(blocks) // per_chunk  # [blocks] chunk of each block
-    row, col = torch.arange(blocks)[:, None], torch.arange(blocks)[None, :]
-    q_chunk, k_chunk = chunk[row], chunk[col]
-    q_block, k_block = row, col
-    full = torch.stack([(q_chunk == k_chunk) & (k_block < q_block),  # intra, off the diagonal
-                        k_chunk == q_chunk - 1,  # successive
-                        k_chunk <= q_chunk - 2])[:parts]  # inter; [p, rows, cols]
-    diagonal = (q_block == k_block).expand(blocks, blocks)
-    masked = torch.stack([diagonal] + [torch.zeros_like(diagonal)] * (parts - 1))
-    full_count = full.sum(-1, dtype=torch.int32)
-    # ascending column order, the chosen columns first: sort by (not chosen, column)
-    full_index = (~full * blocks + col).argsort(-1).to(torch.int32)
-    masked_index = masked.int().argmax(-1, keepdim=True).to(torch.int32)  # the diagonal
-    return masked.sum(-1, dtype=torch.int32), masked_index, full_count, full_index
-
-
-@functools.lru_cache(maxsize=16)
-def _sparsity(seq: int, length: int, parts: int, batch: int, device: torch.device):  # noqa: ANN202
-    """FA4's forward block-sparse tensors for one shape, on the device (cached per shape)."""
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # with FA4 only
-
-    # [p, ...] -> [p * b, 1 (every head alike), ...], part-major as the call's batch
-    lists = [x.repeat_interleave(batch, 0).unsqueeze(1).contiguous().to(device)
-             for x in block_lists(seq, length, parts)]
-    return BlockSparseTensorsTorch(*lists, block_size=(BLOCK, BLOCK))

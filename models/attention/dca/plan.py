@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -16,21 +17,26 @@ from models.attention.rope import rope_cos_sin, rotate_multi
 from models.rope_scaling import RopeScaling
 
 
+class KernelPaths(NamedTuple):
+    """Where DCA's own FA4 kernels (fa4_forward.py, fa4_backward.py) run for one call, chosen
+    by grouped.paths: each pass through its kernel rather than the part calls, and the backward
+    kernel over all query rows at once (else in pieces of query rows)."""
+    forward: bool = False
+    backward: bool = False
+    one_piece: bool = False
+
+
 class DCAPlan:
     """Everything both passes derive from the arguments: documents, positions, RoPE tables."""
 
     def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
                  mscale: float, bounds: list[int] | None, scaling: DCAScaling,
-                 rope_scaling: RopeScaling | None = None, one_call: bool = False,
-                 kernel_backward: bool = False) -> None:
+                 rope_scaling: RopeScaling | None = None,
+                 paths: KernelPaths | None = None) -> None:
         batch, seq, _, head_dim = q.shape
         self.length = chunk_size - local_size
-        # Chosen by the caller once, so forward, backward and CUDA graphs agree (grouped.py):
-        # one_call: both passes as one FA4 call each rather than the part calls;
-        # kernel_backward: the backward through DCA's own kernel (fa4_backward.py), in one
-        # piece with one_call, else in pieces of query rows
-        self.one_call = one_call
-        self.kernel_backward = kernel_backward
+        # chosen by the caller once, so forward, backward and CUDA graphs agree
+        self.paths = paths or KernelPaths()
         if bounds is None:
             self.docs = [(b, 0, seq) for b in range(batch)]
         else:
