@@ -4,8 +4,9 @@
     plan.py       `DCAPlan` (documents, positions, RoPE tables) and the argument checks
     calls.py      the dense kernel calls of one document
     backward.py   the global-LSE backward in bounded calls
-    grouped.py    under FA4: which path runs (`paths`), the one-call forward (the parts as one
-                  block-sparse call's batch) and the backward through DCA's kernel, in pieces
+    grouped.py    under FA4: which path runs (`paths`), and the passes through DCA's kernels,
+                  the backward in pieces
+    fa4_forward.py   DCA's forward kernel: FA4's SM90 causal forward, Q reloaded per part
     fa4_backward.py  DCA's backward kernel: FA4's SM90 causal backward, Q chosen per part
     graphs.py     forward and backward replayed as CUDA graphs (opt-in)
     scaling.py    length-dependent logit scaling (log, yarn)
