@@ -13,6 +13,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# torch.cuda.is_available() (megatron calls it on import) initialises the CUDA driver unless it
+# asks NVML; a process forked after that (the forkserver's workers below) cannot use CUDA at
+# all, not even to check for stream capture in a CPU optimizer step. Inherited by the server.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import psutil
 import pytest
 import torch
@@ -174,12 +179,14 @@ def _train_rank(overrides: list[str], run_dir: str) -> None:
 
 
 def train_on_ranks(overrides: list[str], run_dir: Path, nproc: int = 1) -> list[dict[str, Any]]:
-    """What `torchrun --nproc-per-node nproc -m trainer <overrides>` trains, in `run_dir`, without
-    the launcher and the imports of a new interpreter per rank (tests/trainer/test_cli.py and
-    test_entry_errors.py run the real command line): one rank trains in this process, more in
-    forked gloo processes. Checkpoints go to run_dir/checkpoints; returns the metrics rows."""
+    """What `torchrun --nproc-per-node nproc -m trainer <overrides>` trains on the CPU, in
+    `run_dir`, without the launcher and the imports of a new interpreter per rank
+    (tests/trainer/test_cli.py and test_entry_errors.py run the real command line): one rank
+    trains in this process, more in forked gloo processes. On the CPU on every machine: forked
+    workers cannot use CUDA, and runs compared across world sizes must share a device.
+    Checkpoints go to run_dir/checkpoints; returns the metrics rows."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    overrides = overrides + [f"checkpoint.dir={run_dir / 'checkpoints'}"]
+    overrides = overrides + [f"checkpoint.dir={run_dir / 'checkpoints'}", "trainer.device=cpu"]
     if nproc == 1:
         _train_rank(overrides, str(run_dir))
     else:

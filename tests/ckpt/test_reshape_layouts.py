@@ -23,7 +23,8 @@ from trainer.train import train
 
 # 2 layers (PP 2), 4 heads and 2 query groups (TP 2); a checkpoint after step 1 of 3, so a
 # resume runs two steps: the second one's loss depends on the optimizer state carried over.
-RUN = FAST + ["trainer.max_steps=3", "trainer.log_interval=1"]
+# On the CPU on every machine, as the multi-process runs it is compared with (train_on_ranks).
+RUN = FAST + ["trainer.max_steps=3", "trainer.log_interval=1", "trainer.device=cpu"]
 
 
 def _train(cwd: Path, name: str, overrides: list[str]) -> list[dict]:

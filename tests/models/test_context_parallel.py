@@ -35,6 +35,7 @@ from models.attention.cp_variants import (
 from models.attention.dca.attention import dual_chunk_attention
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import shutdown
 from tests.conftest import FAST, compose_config, read_metrics, spawn, train_on_ranks
 from trainer import eval as eval_entry
@@ -71,12 +72,13 @@ pytestmark = pytest.mark.timeout(600)  # a p2p mismatch would hang, not fail
 
 
 def train_overrides(kind: str, tp: int = 1, cp: int = 1, recompute: str = "none") -> list[str]:
-    """A 3-step run with one global batch of 2 sequences at every layout (CP=1: one process)."""
+    """A 3-step run with one global batch of 2 sequences at every layout (CP=1: one process),
+    on the CPU on every machine (the layouts' runs are gloo workers, compared with CP=1's)."""
     dp = WORLD // (tp * cp) if cp > 1 else 1
     return FAST + OVERRIDES[kind] + [f"trainer.recompute={recompute}",
         f"trainer.seq_length={SEQ}", f"trainer.micro_batch_size={2 // dp}",
         "trainer.global_batch_size=2", f"trainer.max_steps={STEPS}", "checkpoint.save=false",
-        f"parallel.tp={tp}", f"parallel.cp={cp}"]
+        f"parallel.tp={tp}", f"parallel.cp={cp}", "trainer.device=cpu"]
 
 
 # ---- what the workers check --------------------------------------------------------------------
@@ -124,9 +126,11 @@ def fresh_groups(root: str, name: str, tp: int | None = 1, cp: int = 1) -> Itera
     """A new process group (`name` unique per use) for one layout, torn down after it: megatron's
     destroy_model_parallel keeps its gloo groups (and their threads) alive, and a few dozen
     layouts' worth of them swamp two cores. A FileStore per layout needs no port.
-    With tp=None megatron's groups are left to the caller (the Trainer makes its own)."""
+    With tp=None megatron's groups are left to the caller (the Trainer makes its own).
+    megatron runs in CPU mode, a GPU host's too (shutdown ends it)."""
     dist.init_process_group("gloo", store=dist.FileStore(f"{root}/{name}.store", WORLD),
                             rank=int(os.environ["RANK"]), world_size=WORLD)
+    enable_cpu_mode()
     if tp is not None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  context_parallel_size=cp)
