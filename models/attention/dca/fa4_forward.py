@@ -7,14 +7,14 @@ blocks from the diagonal down to block 0, so it meets the parts in order: its ow
 (intra, the diagonal masked), the previous chunk's (successive), then every older one (inter).
 This kernel is that forward with the query tile taken from its part's rotated copy (q_rot
 [parts * b, s, hq, d], the part the batch coordinate) and reloaded twice at most, when the loop
-crosses a part boundary: the producer loads the next part's tile once the consumers have issued
-their last product with the previous one. The online softmax runs on across the boundary, so the
-output and the LSE leave the kernel merged: no part calls, no merge.
+crosses a part boundary: the consumers release the tile once the previous part's last Q K^T has
+completed, and the producer then loads the next part's. The online softmax runs on across the
+boundary, so the output and the LSE leave the kernel merged: no part calls, no merge.
 
-The queries may be the last rows of the keys' (FA4's bottom-right causal alignment), so a long
-sequence's forward runs in pieces of query rows, each piece's out and lse complete. Needs the
-chunk length L and the query and key rows to be multiples of 128 (the tile: every tile lies in
-one chunk and only the diagonal one is masked). FA4 (and its CuTe DSL) is imported on first use;
+The queries may be the last rows of the keys' (FA4's bottom-right causal alignment; those rows'
+out and lse are then complete), as in the backward kernel; grouped.forward passes all rows at
+once. Needs the chunk length L and the query and key rows to be multiples of 128 (the tile:
+every tile lies in one chunk and only the diagonal one is masked). FA4 (and its CuTe DSL) is imported on first use;
 `forward` is called only where grouped.kernel_applies.
 """
 
@@ -310,8 +310,9 @@ def _kernel_class() -> type:
                     pipeline_k=pipeline_k, tOrP=tOrP, smem_copy_params=smem_copy_params,
                     softmax=softmax, seqlen=seqlen, scores_scale=scores_scale, acc_O=acc_O,
                     mask_fn=mask_fn, is_first_block=True)
-                # the other blocks, part by part (a loop each, so the mainloop stays free of
-                # branches): each block's Q K^T and softmax, the previous block's P V
+                # the other blocks, part by part (part_of's rule as ranges of key blocks; a
+                # loop each, so the mainloop stays free of branches): each block's Q K^T and
+                # softmax, the previous block's P V
                 chunk = ((seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m + m_block
                          ) // self.blocks_per_chunk
                 n_block = n_block_max - 2  # the next block
