@@ -147,7 +147,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     (graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
     `backward`: under FA4, auto | kernel | parts (grouped.paths: where DCA's own backward
     kernel runs, kernel trading transient memory above 16K tokens for speed; parts: the part
-    calls both ways, DCA's forward kernel included).
+    calls both ways, in place of DCA's forward kernel too).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)
