@@ -211,13 +211,34 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
 @pytest.mark.parametrize("dca_path", ["forward kernel", "pieces", "one call"],
                          indirect=True)
 def test_dca_batch_2_and_head_dim_64(dca_path: str) -> None:
-    """Batch 2 (K/V then copied per part, the parts part-major in the call's batch) and head
-    dim 64 (FA4's other tile shapes), GQA."""
+    """Batch 2 (the parts part-major in the kernels' query batch) and head dim 64 (FA4's other
+    tile shapes), GQA."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2048, h, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for h in (8, 2, 2))
     dout = torch.randn_like(q)
     _check(_dca_errors(q, k, v, dout, 512, 128))
+
+
+@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
+def test_dca_kernels_at_head_dim_96(dca_path: str) -> None:
+    """FA4's configuration with P through shared memory in the forward and one dQ warpgroup in
+    the backward, GQA."""
+    _check(_dca_errors(*_head_dim_inputs(96), 512, 128))
+
+
+def test_dca_head_dim_72_takes_the_part_calls(fa4_counted: dict[str, int]) -> None:
+    """The backward kernel's dQ accumulator rows would not match its tiles (wrong gradients
+    when it ran), so the part calls run (grouped.HEAD_DIMS)."""
+    _check(_dca_errors(*_head_dim_inputs(72), 512, 128))
+    assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
+
+
+def _head_dim_inputs(head_dim: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2048, h, head_dim, device="cuda",
+                           dtype=torch.bfloat16).requires_grad_() for h in (8, 2, 2))
+    return q, k, v, torch.randn_like(q)
 
 
 @pytest.mark.parametrize("dca_path", ["one call"], indirect=True)

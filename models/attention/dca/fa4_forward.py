@@ -14,8 +14,8 @@ boundary, so the output and the LSE leave the kernel merged: no part calls, no m
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment; those rows'
 out and lse are then complete), as in the backward kernel; grouped.forward passes all rows at
 once. Needs the chunk length L and the query and key rows to be multiples of 128 (the tile:
-every tile lies in one chunk and only the diagonal one is masked). FA4 (and its CuTe DSL) is imported on first use;
-`forward` is called only where grouped.kernel_applies.
+every tile lies in one chunk and only the diagonal one is masked). FA4 (and its CuTe DSL) is
+imported on first use; `forward` is called only where grouped.kernel_applies.
 """
 
 import functools

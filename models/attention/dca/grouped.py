@@ -13,11 +13,12 @@ backward.py); dK/dV leave it summed over the parts, dq per part, rotated back an
 
 Where the kernels apply (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no packed documents,
 the chunk length L and the sequence multiples of BLOCK (each tile then lies in one query chunk
-and one key chunk: only intra's diagonal tiles are partly masked). The forward holds every
-part's rotated q (three times q's size) for its one call. The backward holds them and the
-per-part dq (in float32 too), so it runs in one piece up to MAX_TOKENS tokens and, above, under
-`dca_backward=kernel`, in pieces of query rows (the part calls' row budget): faster than the
-part calls, with more transient memory (docs/benchmarks.md); `auto` takes the part calls there.
+and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96 and 128.
+The forward holds every part's rotated q (three times q's size) for its one call. The backward
+holds them and the per-part dq (in float32 too), so it runs in one piece up to MAX_TOKENS
+tokens and, above, under `dca_backward=kernel`, in pieces of query rows (the part calls' row
+budget): faster than the part calls, with more transient memory (docs/benchmarks.md); `auto`
+takes the part calls there.
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <=
 # docs/benchmarks.md, "DCA in one FA4 call each way" and "DCA's own backward kernel".
 MAX_TOKENS = 16384
 BACKWARDS = ("auto", "kernel", "parts")  # the dca_backward setting (`paths`)
+# The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py). At 72 the
+# backward kernel's gradients were wrong (its float32 dQ accumulator rows, rounded to 32
+# columns, do not match its 80-column tiles); the rest take the part calls.
+HEAD_DIMS = (64, 96, 128)
 
 
 def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
     """Whether DCA's kernels (fa4_forward.py, fa4_backward.py) serve DCA on q with chunk length
     `length` (packed: documents given): kernel fa4 on CUDA bf16/fp16, one document per
-    sequence, L and the sequence multiples of BLOCK, head_dim <= 128. Decided once per call,
-    in its DCAPlan."""
-    head_dim = q.shape[3]
+    sequence, L and the sequence multiples of BLOCK, head_dim one of HEAD_DIMS. Decided once
+    per call, in its DCAPlan."""
     return (kernels.fa4_applies(q) and not packed and length % BLOCK == 0
-            and q.shape[1] % BLOCK == 0 and head_dim <= 128 and head_dim % 8 == 0)
+            and q.shape[1] % BLOCK == 0 and q.shape[3] in HEAD_DIMS)
 
 
 def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> KernelPaths:
