@@ -228,8 +228,8 @@ def test_dca_kernels_at_head_dim_96(dca_path: str) -> None:
 
 
 def test_dca_head_dim_72_takes_the_part_calls(fa4_counted: dict[str, int]) -> None:
-    """The backward kernel's dQ accumulator rows would not match its tiles (wrong gradients
-    when it ran), so the part calls run (grouped.HEAD_DIMS)."""
+    """DCA's backward kernel gave wrong gradients at 72 (docs/benchmarks.md), so the part calls
+    run (grouped.HEAD_DIMS)."""
     _check(_dca_errors(*_head_dim_inputs(72), 512, 128))
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 

@@ -37,8 +37,8 @@ BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <=
 MAX_TOKENS = 16384
 BACKWARDS = ("auto", "kernel", "parts")  # the dca_backward setting (`paths`)
 # The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py). At 72 the
-# backward kernel's gradients were wrong (its float32 dQ accumulator rows, rounded to 32
-# columns, do not match its 80-column tiles); the rest take the part calls.
+# backward kernel's gradients were wrong (cause not yet found; docs/benchmarks.md); the rest
+# take the part calls.
 HEAD_DIMS = (64, 96, 128)
 
 
