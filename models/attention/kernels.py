@@ -108,8 +108,22 @@ def using(name: str) -> Iterator[str]:
 
 
 def fa4_applies(x: torch.Tensor) -> bool:
-    """Whether a call on `x` runs through FA4 under the active kernel."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and active() == "fa4"
+    """Whether a call on `x` (head dim last) runs through FA4 under the active kernel."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and active() == "fa4"
+            and fa4_takes_head_dim(x.shape[-1]))
+
+
+def fa4_takes_head_dim(head_dim: int) -> bool:
+    """Whether FA4 serves this head dim; the others take the next kernel (cuDNN).
+
+    FA4's SM90 backward (flash-attn-4 4.0.0b36) pads the head dim to 16 columns in its main
+    kernel but to 32 in the float32 accumulators' post-processing (dQ; dK/dV under GQA), 64 on
+    both sides above 128, so up to 128 the two agree only at multiples of 32. Read in FA4's
+    sources (flash_bwd_sm90.py, flash_bwd_postprocess.py, interface.py) after DCA's backward
+    kernel, which shares that machinery, gave wrong dq, dk and dv at head_dim 72 on the H100
+    (docs/benchmarks.md); FA4's own backward at those head dims is not yet checked on a GPU.
+    """
+    return head_dim % 32 == 0 or head_dim > 128
 
 
 def fa4_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,

@@ -49,6 +49,8 @@ def _backends(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
         return ["math"]
     key = _shape_key(q, k, causal)
     order = _ORDER[kernels.active()]
+    if not kernels.fa4_takes_head_dim(q.shape[-1]):
+        order = tuple(name for name in order if name != "fa4")
     return [name for name in order if (name, *key) not in REFUSED] + ["math"]
 
 

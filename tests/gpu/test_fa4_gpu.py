@@ -227,11 +227,22 @@ def test_dca_kernels_at_head_dim_96(dca_path: str) -> None:
     _check(_dca_errors(*_head_dim_inputs(96), 512, 128))
 
 
-def test_dca_head_dim_72_takes_the_part_calls(fa4_counted: dict[str, int]) -> None:
-    """DCA's backward kernel gave wrong gradients at 72 (docs/benchmarks.md), so the part calls
-    run (grouped.HEAD_DIMS)."""
-    _check(_dca_errors(*_head_dim_inputs(72), 512, 128))
-    assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
+@pytest.mark.parametrize("head_dim", [72, 80])
+def test_head_dims_fa4_does_not_take_run_on_cudnn(head_dim: int, fa4_counted: dict[str, int],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Head dims FA4's backward pads unlike its post-processing (kernels.fa4_takes_head_dim;
+    DCA's kernel gave wrong gradients at 72): causal attention and DCA under kernel fa4 match
+    float64 through cuDNN, and no FA4 kernel runs."""
+
+    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("FA4 ran")
+    for module, name in ((kernels, "fa4_causal"), (fa4_forward, "forward"),
+                         (fa4_backward, "backward")):
+        monkeypatch.setattr(module, name, refused)
+    q, k, v, dout = _head_dim_inputs(head_dim)
+    _check(_errors(causal_attention, causal_mask(q.shape[1]), q, k, v, dout))
+    _check(_dca_errors(q, k, v, dout, 512, 128))
+    assert fa4_counted == {"fwd": 0, "bwd": 0}
 
 
 def _head_dim_inputs(head_dim: int) -> tuple[torch.Tensor, ...]:

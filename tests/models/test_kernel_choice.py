@@ -108,10 +108,28 @@ def test_lse_backends_follow_the_setting(monkeypatch: pytest.MonkeyPatch, kernel
     """The LSE part calls (DCA, CP, kept causal) try the chosen kernel first; CPU and fp32
     tensors take the math path whatever the setting."""
     _fresh(monkeypatch, kernel, kernel)
-    cuda_bf16 = torch.empty(1, 2, 4, 8, dtype=torch.bfloat16, device="meta")
+    cuda_bf16 = torch.empty(1, 2, 4, 64, dtype=torch.bfloat16, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert _backends(cuda_bf16, cuda_bf16, True) == order
     assert _backends(cuda_bf16.float(), cuda_bf16.float(), True) == ["math"]
+    head_dim_80 = torch.empty(1, 2, 4, 80, dtype=torch.bfloat16, device="meta")
+    assert _backends(head_dim_80, head_dim_80, True) == [x for x in order if x != "fa4"]
+
+
+@pytest.mark.parametrize(("head_dim", "expected"), [
+    (32, True), (64, True), (96, True), (128, True), (192, True), (256, True),
+    (8, False), (72, False), (80, False), (112, False),
+])
+def test_fa4_only_at_head_dims_its_backward_pads_alike(monkeypatch: pytest.MonkeyPatch,
+                                                       head_dim: int, expected: bool) -> None:
+    """FA4's SM90 backward pads the head dim to 16 in its main kernel and to 32 in its
+    accumulators' post-processing (64 for both above 128): other head dims take cuDNN, in the
+    causal, chunked and DCA paths (fa4_applies) as in the LSE part calls (_backends)."""
+    assert kernels.fa4_takes_head_dim(head_dim) is expected
+    _fresh(monkeypatch, "fa4", "fa4")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.empty(1, 4, 2, head_dim, dtype=torch.bfloat16, device="meta")
+    assert kernels.fa4_applies(q) is expected
 
 
 def test_a_cpu_build_leaves_the_gpu_choice_to_the_setting(
