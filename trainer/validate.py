@@ -7,6 +7,7 @@ the fix (a `UserError`), before anything expensive happens.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -21,6 +22,8 @@ from models.schema import ParallelConfig
 from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
 from trainer.config import CONF_DIR, build_options, command_line_overrides
 from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def validate_train(cfg: DictConfig, world_size: int | None = None,
@@ -51,7 +54,9 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
     _check_data(cfg.data)
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
-    check_kernel(cfg.attention.kernel, cuda=device.type == "cuda")
+    m = cfg.model
+    check_kernel(cfg.attention.kernel, cuda=device.type == "cuda",
+                 head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads)
     if t.dca_cuda_graphs and cfg.attention.kind != "dca":
         raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
                         f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
@@ -143,15 +148,20 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
         raise UserError(f"model/attention settings: {err}") from err
 
 
-def check_kernel(name: str, cuda: bool) -> None:
+def check_kernel(name: str, cuda: bool, head_dim: int | None = None) -> None:
     """`attention.kernel` names a kernel that runs here (an explicit fa4 needs FlashAttention-4
-    installed and an SM90+ GPU; auto falls back by itself)."""
-    from models.attention.kernels import resolve
+    installed and an SM90+ GPU; auto falls back by itself). Logs where FA4 leaves the model's
+    head dim to cuDNN."""
+    from models.attention.kernels import fa4_takes_head_dim, resolve
 
     try:
-        resolve(name, cuda)
+        chosen = resolve(name, cuda)
     except ValueError as err:
         raise UserError(str(err)) from err
+    if chosen == "fa4" and head_dim is not None and not fa4_takes_head_dim(head_dim):
+        log.warning("attention.kernel=%s: head_dim %d runs on cuDNN (FlashAttention-4 serves "
+                    "multiples of 32 and head dims above 128; docs/benchmarks.md)", name,
+                    head_dim)
 
 
 def placement(device: str, precision: str) -> tuple[torch.device, bool]:

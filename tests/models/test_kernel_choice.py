@@ -116,6 +116,16 @@ def test_lse_backends_follow_the_setting(monkeypatch: pytest.MonkeyPatch, kernel
     assert _backends(head_dim_80, head_dim_80, True) == [x for x in order if x != "fa4"]
 
 
+def test_a_head_dim_fa4_leaves_to_cudnn_is_logged(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kernels, "resolve", lambda name, cuda: "fa4")
+    with caplog.at_level("WARNING"):
+        check_kernel("auto", cuda=True, head_dim=64)
+        assert not caplog.records
+        check_kernel("auto", cuda=True, head_dim=80)
+    assert "head_dim 80 runs on cuDNN" in caplog.text
+
+
 @pytest.mark.parametrize(("head_dim", "expected"), [
     (32, True), (64, True), (96, True), (128, True), (192, True), (256, True),
     (8, False), (72, False), (80, False), (112, False),
