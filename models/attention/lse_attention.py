@@ -155,13 +155,15 @@ def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
     return qg, scores
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """What lse and the math path's sums take for inputs like x: float64 for float64 (the
+    reference tests), float32 otherwise."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     _, scores = _math_scores(q, k, causal, scale, acc)
     lse = scores.logsumexp(dim=-1)  # [b, hk, g, sq]
     probs = (scores - lse.unsqueeze(-1)).exp()
@@ -172,7 +174,7 @@ def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q)
     hk = k.shape[1]
     qg, scores = _math_scores(q, k, causal, scale, acc)
     # P from the given lse: with a merged lse this is the global softmax restricted to these keys.

@@ -36,7 +36,7 @@ from models.attention.dca.calls import INTER, Call, blocks, document_calls
 from models.attention.dca.graphs import DCAGraphs, graphs_for
 from models.attention.dca.plan import DCAPlan, check_qkv, check_sizes
 from models.attention.dca.scaling import DCAScaling
-from models.attention.lse_attention import attention_forward, merge_partials
+from models.attention.lse_attention import accumulation_dtype, attention_forward, merge_partials
 from models.attention.rope import rotate
 from models.recompute import keep_attention, kept_attention
 from models.rope_scaling import RopeScaling
@@ -83,8 +83,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
     batch, seq, heads, _ = q.shape
     k_rot = plan.rotate_k(k)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [b, s, hq, d]
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)  # merged
+    lse = torch.empty(batch, heads, seq, dtype=accumulation_dtype(q), device=q.device)  # merged
     length = plan.length
     calls = [document_calls(n, length) for _, _, n in plan.docs]
     # per document: chunk -> [(out [rows, h, d], lse [h, rows])] of the parts run so far

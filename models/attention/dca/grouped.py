@@ -28,6 +28,7 @@ import torch
 from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
 from models.attention.dca.plan import DCAPlan, KernelPaths
+from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
@@ -75,8 +76,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
     batch, seq, heads, _ = q.shape
     q_rot, k_rot = plan.rotate(q, k)  # [p, b, s, hq, d], [b, s, hk, d]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64: tests
-    lse = torch.empty(batch, heads, seq, dtype=lse_dtype, device=q.device)
+    lse = torch.empty(batch, heads, seq, dtype=accumulation_dtype(q), device=q.device)
     fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, out, lse)
     return out, lse
 
