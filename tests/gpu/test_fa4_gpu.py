@@ -229,7 +229,7 @@ def test_dca_kernels_at_head_dim_96(dca_path: str) -> None:
 
 @pytest.mark.parametrize("head_dim", [72, 80])
 def test_head_dims_fa4_leaves_run_on_cudnn(head_dim: int, fa4_counted: dict[str, int],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Head dims FA4's backward pads unlike its post-processing (kernels.fa4_takes_head_dim;
     DCA's kernel gave wrong gradients at 72): causal attention and DCA under kernel fa4 match
     float64 through cuDNN, and no FA4 kernel runs."""
