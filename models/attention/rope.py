@@ -59,14 +59,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor) -> bool:
     """Fused kernels on CUDA (or under Triton's CPU interpreter); float64 stays in torch."""
     if triton is None or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _half_tables(cos_half: torch.Tensor, sin_half: torch.Tensor,
+def half_tables(cos_half: torch.Tensor, sin_half: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather full-width [n, d] cos/sin rows for `positions` from [P, d/2] half tables."""
     cos = cos_half[positions]
@@ -85,9 +85,9 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
     n = positions.shape[0]
     b, s, h, d = x.shape
     out = torch.empty((n, b, s, h, d), dtype=x.dtype, device=x.device)
-    if not _use_triton(x):
+    if not use_triton(x):
         for i in range(n):
-            cos, sin = _half_tables(cos_half, sin_half, positions[i])
+            cos, sin = half_tables(cos_half, sin_half, positions[i])
             out[i] = apply_rope(x, cos, sin)
         return out
     pos = positions.to(torch.int32).contiguous()
@@ -118,14 +118,14 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
     if not 1 <= len(grads) <= 3:
         raise ValueError(f"rotate_transpose_sum takes 1 to 3 gradients, got {len(grads)}")
     s, h, d = out.shape
-    if not _use_triton(out):
+    if not use_triton(out):
         acc = (out.to(cos_half.dtype) if accumulate
                else torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device))
         for i, g in enumerate(grads):
             if positions is None:
                 acc += g
             else:
-                cos, sin = _half_tables(cos_half, sin_half, positions[i])
+                cos, sin = half_tables(cos_half, sin_half, positions[i])
                 acc += apply_rope(g.unsqueeze(0).to(acc.dtype), cos, -sin)[0]  # [s, h, d]
         out.copy_(acc)
         return

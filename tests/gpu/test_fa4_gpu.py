@@ -210,12 +210,13 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
 
 @pytest.mark.parametrize("dca_path", ["forward kernel", "pieces", "one call"],
                          indirect=True)
-def test_dca_batch_2_and_head_dim_64(dca_path: str) -> None:
-    """Batch 2 (the parts part-major in the kernels' query batch) and head dim 64 (FA4's other
-    tile shapes), GQA."""
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
+    """Batch 2 (the parts part-major in the kernels' query batch; a piece's dK/dV stored into,
+    and added to, views of rows across the batch) and head dim 64 (FA4's other tile shapes)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2048, h, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
-               for h in (8, 2, 2))
+               for h in (8, hk, hk))
     dout = torch.randn_like(q)
     _check(_dca_errors(q, k, v, dout, 512, 128))
 
@@ -243,6 +244,59 @@ def test_head_dims_fa4_leaves_run_on_cudnn(head_dim: int, fa4_counted: dict[str,
     _check(_errors(causal_attention, causal_mask(q.shape[1]), q, k, v, dout))
     _check(_dca_errors(q, k, v, dout, 512, 128))
     assert fa4_counted == {"fwd": 0, "bwd": 0}
+
+
+@pytest.mark.parametrize("head_dim", grouped.HEAD_DIMS)
+def test_dq_tile_is_the_layout_fa4_postprocess_reads(head_dim: int) -> None:
+    """fa4_backward.dq_tile (where the kernel's dQ accumulator keeps each row and column)
+    against FA4's own postprocess: an accumulator holding every float's index, converted by
+    FA4 to [b, s, h, d] in digits exact in bf16, gives back the index of each element."""
+    from flash_attn.cute import interface as fa
+
+    cfg = fa._tile_size_bwd_sm90(head_dim, head_dim, True, False)
+    heads, seq, tile = 2, 4 * cfg.m_block_size, fa4_backward.dq_tile(head_dim, "cuda")
+    index = torch.arange(heads * seq * head_dim, device="cuda").view(1, heads, -1)
+    found = torch.zeros(1, seq, heads, head_dim, dtype=torch.int64, device="cuda")
+    for digit in range(3):  # base 256: integers below 256 are exact in bf16
+        accum = (index // 256 ** digit % 256).float()
+        dq = torch.empty(1, seq, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        fa._bwd_postprocess_convert(
+            accum, dq, 1.0, None, None, 90, fa.torch2cute_dtype_map[torch.bfloat16], head_dim,
+            cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
+            cfg.AtomLayoutMdQ, cfg.dQ_swapAB, fake_mode=False, hdim_multiple_of=32)
+        found += dq.long() * 256 ** digit
+    row = torch.arange(seq, device="cuda")
+    head = torch.arange(heads, device="cuda")
+    expected = (head[None, :, None] * seq * head_dim  # [s, h, d]
+                + (row // cfg.m_block_size * cfg.m_block_size * head_dim)[:, None, None]
+                + tile[row % cfg.m_block_size][:, None, :])
+    assert torch.equal(found[0], expected)
+
+
+@pytest.mark.parametrize("factors", [False, True])
+def test_rotate_back_kernel_matches_torch(factors: bool) -> None:
+    """dq_parts.rotate_back's Triton kernel against its torch path (float64 tables): three
+    parts in FA4's tile layout, batch 2, into a view of dq's rows."""
+    from models.attention.dca import dq_parts
+
+    torch.manual_seed(0)
+    parts, batch, rows, heads, seq = 3, 2, 256, 4, 512
+    tile = fa4_backward.dq_tile(D, "cuda")
+    data = torch.randn(parts * batch, heads, rows * D, device="cuda")
+    positions = torch.randint(0, 1000, (parts, seq), dtype=torch.int32, device="cuda")
+    angles = torch.arange(1001, device="cuda", dtype=torch.float64)[:, None] * (
+        10000.0 ** (-torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
+    scale = torch.rand(parts, seq, device="cuda", dtype=torch.float64) + 0.5 if factors else None
+    span = slice(128, 128 + rows)
+    dq = torch.zeros(batch, seq, heads, D, device="cuda", dtype=torch.bfloat16)
+    dq_parts.rotate_back(dq_parts.DQParts(data, tile), positions[:, span],
+                         angles.cos().float(), angles.sin().float(),
+                         None if scale is None else scale[:, span].float(), 0.125, dq[:, span])
+    expected = torch.zeros(batch, rows, heads, D, device="cuda", dtype=torch.float64)
+    dq_parts.rotate_back(dq_parts.DQParts(data.double(), tile), positions[:, span], angles.cos(),
+                         angles.sin(), None if scale is None else scale[:, span], 0.125, expected)
+    assert rel_err(dq[:, span], expected) < 5e-3
+    assert not dq[:, :128].any() and not dq[:, 128 + rows:].any()
 
 
 def _head_dim_inputs(head_dim: int) -> tuple[torch.Tensor, ...]:

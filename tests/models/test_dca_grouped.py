@@ -13,8 +13,10 @@ from models.attention import kernels
 from models.attention.dca import backward as dca_backward
 from models.attention.dca import fa4_backward, fa4_forward, grouped
 from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.dq_parts import DQParts, rotate_back
 from models.attention.dca.plan import KernelPaths
 from models.attention.dca.scaling import DCAScaling
+from models.attention.rope import apply_rope, rope_cos_sin
 from tests.models.test_dca import assert_matches_reference
 from tests.models.test_dca_scaling import check, log_factor, part_factors
 
@@ -149,11 +151,14 @@ def _part_masks(seq_q: int, seq_k: int, length: int) -> list[torch.Tensor]:
 
 def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, scale: float,
-                          length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          length: int, dk_out: torch.Tensor, dv_out: torch.Tensor,
+                          accumulate: bool) -> DQParts:
     """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
     key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q;
-    P from the merged lse, dS from the merged out (the global-LSE recipe)."""
-    batch, seq_q, heads, _ = out.shape
+    P from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are
+    written to (or added to) dk_out, dv_out; each part's dQ is returned unscaled, in a layout
+    of tiles of one row (`tile` the identity)."""
+    batch, seq_q, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts, group = q_rot.shape[0] // batch, heads // heads_kv
     k, vv = (x.repeat_interleave(group, 2) for x in (k_rot, v))  # [b, s_k, hq, d]
@@ -166,10 +171,36 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
         prob = torch.where(masks[p], torch.exp(scores - lse[..., None]), 0.0)
         dv += torch.einsum("bhqk,bqhd->bkhd", prob, dout)
         d_scores = prob * (torch.einsum("bqhd,bkhd->bhqk", dout, vv) - delta)
-        dq[p] = torch.einsum("bhqk,bkhd->bqhd", d_scores, k) * scale
+        dq[p] = torch.einsum("bhqk,bkhd->bqhd", d_scores, k)
         dk += torch.einsum("bhqk,bqhd->bkhd", d_scores, q_parts[p]) * scale
-    return (dq.flatten(0, 1), dk.unflatten(2, (heads_kv, group)).sum(3),
-            dv.unflatten(2, (heads_kv, group)).sum(3))
+    for grad, total in ((dk, dk_out), (dv, dv_out)):
+        grad = grad.unflatten(2, (heads_kv, group)).sum(3)
+        total.copy_(total + grad if accumulate else grad)
+    data = dq.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, seq_q * head_dim)
+    return DQParts(data, torch.arange(head_dim)[None, :])
+
+
+def test_rotate_back_reads_through_the_tile_map() -> None:
+    """dq_parts.rotate_back on an accumulator whose blocks are permuted (tiles of 4 rows) equals
+    it on the same values in row order, and both equal the sum of the parts rotated back one by
+    one (rope.apply_rope with sin negated), times their factors and the scale."""
+    torch.manual_seed(0)
+    parts, batch, rows, heads, dim, tile_m = 3, 2, 8, 2, 6, 4
+    grads = torch.randn(parts, batch, rows, heads, dim, dtype=torch.float64)
+    positions = torch.randint(0, 20, (parts, rows), dtype=torch.int32)
+    cos, sin = rope_cos_sin(torch.arange(20), dim, dtype=torch.float64)
+    cos_half, sin_half = cos[:, :dim // 2], sin[:, :dim // 2]
+    factors = torch.rand(parts, rows, dtype=torch.float64)
+    expected = sum(apply_rope(grads[p] * factors[p, None, :, None, None], cos[positions[p]],
+                              -sin[positions[p]]) for p in range(parts)) * 0.5
+    in_rows = grads.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, rows * dim)
+    tile = torch.randperm(tile_m * dim).view(tile_m, dim)
+    permuted = torch.empty_like(in_rows).view(parts * batch, heads, rows // tile_m, -1)
+    permuted[..., tile.flatten()] = in_rows.view(parts * batch, heads, rows // tile_m, -1)
+    for data, layout in ((in_rows, torch.arange(dim)[None, :]), (permuted.flatten(2), tile)):
+        out = torch.empty(batch, rows, heads, dim, dtype=torch.float64)
+        rotate_back(DQParts(data, layout), positions, cos_half, sin_half, factors, 0.5, out)
+        torch.testing.assert_close(out, expected)
 
 
 @pytest.fixture

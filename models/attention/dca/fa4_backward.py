@@ -9,12 +9,14 @@ rotated copy (q_rot [parts * b, s, hq, d], the part the batch coordinate), and t
 into that part's float32 accumulator. LSE, dO and dPsum are the merged ones, alike for all parts.
 So dK and dV leave the kernel once, summed over the parts in registers, and the preprocess runs
 over the rows once; the part calls' per-call launches and the one-call path's per-part dK/dV
-and pre-processing are gone. What stays outside: the rotations (q into its parts, k; dq back
-from its parts, dk back), and FA4's postprocess per part's dq.
+and pre-processing are gone. What stays outside: the rotations (q into its parts, k, and dk
+back) and the parts' dQ accumulators, rotated back and summed into dq in one pass
+(dq_parts.py, in place of FA4's postprocess).
 
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment): then the
 kernel gives those queries' complete dq and their share of dk and dv, so a long sequence's
-backward runs in pieces of query rows (grouped.backward) with bounded memory.
+backward runs in pieces of query rows (grouped.backward) with bounded memory; a later piece's
+kernel adds its dK/dV to the earlier pieces' in place (TMA reduce-add stores, `_stores_add`).
 
 Needs the chunk length L and the query and key rows to be multiples of 128 (every tile then
 lies in one chunk, and only intra's diagonal tiles are partly masked, by the causal mask). FA4
@@ -24,25 +26,33 @@ kernels.fa4_applies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from models.attention.dca.dq_parts import DQParts
 
 _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128 rows)
 
 
 def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq per part [p * b, s_q, hq, d] (of the rotated queries), dk (of k_rot) and dv [b, s_k,
-    hk, d], for queries that are the last s_q of the s_k key rows (s_q = s_k: all of them).
+             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int, dk: torch.Tensor,
+             dv: torch.Tensor, accumulate: bool) -> DQParts:
+    """The per-part dQ of the rotated queries (float32 accumulators, DQParts), for queries
+    that are the last s_q of the s_k key rows (s_q = s_k: all of them); dk (of k_rot) and dv
+    [b, s_k, hk, d] written in place, or added to (`accumulate`).
 
     q_rot: [p * b, s_q, hq, d] part-major; k_rot, v: [b, s_k, hk, d]; out, dout: merged [b, s_q,
     hq, d]; lse: merged [b, hq, s_q] float32; length: the chunk length L. L, s_q and s_k must be
     multiples of 128. With s_q < s_k, dq is complete (the queries' keys all lie in the first s_k
-    rows) and dk, dv are these queries' share.
+    rows) and dk, dv are these queries' share. dk and dv may be views (a unit last stride):
+    without GQA the kernel stores into them, or adds (a bf16 TMA reduce-add, one rounding per
+    call); with GQA its float32 accumulators are converted, then stored or added.
     """
     from flash_attn.cute import interface as fa  # with FA4 only
 
@@ -58,20 +68,19 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     multiple = 64 if cfg.dKV_swapAB else 32  # FA4's accumulator rounding of the head dim
     dim_acc = -(-head_dim // multiple) * multiple
     dim_v_acc = -(-head_dim_v // multiple) * multiple
-    rows_q, rows_k = -(-seq // tile_m) * tile_m, -(-seq_k // tile_n) * tile_n
+    rows_k = -(-seq_k // tile_n) * tile_n
     device = out.device
     q_rot, k_rot, v, out, dout, lse = (fa.maybe_contiguous(t)
                                        for t in (q_rot, k_rot, v, out, dout, lse))
 
     # zeroed before the preprocess: the main kernel (launched with PDL) may start while the
     # kernel before it runs, and waits for it only before reading LSE and dPsum
-    dq_accum = torch.zeros(parts * batch, heads, rows_q * dim_acc, dtype=torch.float32,
+    dq_accum = torch.zeros(parts * batch, heads, seq * dim_acc, dtype=torch.float32,
                            device=device)
-    dpsum = torch.empty(batch, heads, rows_q, dtype=torch.float32, device=device)
+    dpsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     lse_log2 = torch.empty_like(dpsum)
     fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None, None, None, None, dtype,
                        head_dim, head_dim_v, tile_m, fake_mode=False, hdim_multiple_of=multiple)
-    dk, dv = torch.empty_like(k_rot), torch.empty_like(v)
     gqa = heads_kv < heads  # several query heads add into one dK/dV: float32 accumulators
     if gqa:
         dk_out = torch.zeros(batch, heads_kv, rows_k * dim_acc, dtype=torch.float32,
@@ -81,22 +90,55 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     else:
         dk_out, dv_out = dk, dv
     kernel = _compiled(dtype, head_dim, head_dim_v, heads // heads_kv, length, parts,
+                       accumulate and not gqa,
                        (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out), scale)
     kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_out,
            dv_out, scale, None, None, None, None, None, None, None, None, None,
            fa.AuxData(None, None), None, None)
-    dq_rot = torch.empty_like(q_rot)
-    threads = cfg.num_wg * 128
-    fa._bwd_postprocess_convert(dq_accum, dq_rot, scale, None, None, 90, dtype, head_dim,
-                                tile_m, 128 if cfg.dQ_single_wg else threads, cfg.AtomLayoutMdQ,
-                                cfg.dQ_swapAB, fake_mode=False, hdim_multiple_of=multiple)
     if gqa:
+        threads = cfg.num_wg * 128
         for accum, grad, grad_scale, dim in ((dk_out, dk, scale, head_dim),
                                              (dv_out, dv, 1.0, head_dim_v)):
-            fa._bwd_postprocess_convert(accum, grad, grad_scale, None, None, 90, dtype, dim,
-                                        tile_n, threads, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
-                                        fake_mode=False, hdim_multiple_of=multiple)
-    return dq_rot, dk, dv
+            converted = torch.empty_like(grad) if accumulate else grad
+            fa._bwd_postprocess_convert(accum, converted, grad_scale, None, None, 90, dtype,
+                                        dim, tile_n, threads, cfg.AtomLayoutNdKV,
+                                        cfg.dKV_swapAB, fake_mode=False,
+                                        hdim_multiple_of=multiple)
+            if accumulate:
+                grad.add_(converted)
+    return DQParts(dq_accum, dq_tile(head_dim, device))
+
+
+@functools.cache
+def dq_tile(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """[tile_m, d] int64: where dQ's (row, column) of an m-block lies in that block's tile_m * d
+    floats of FA4's SM90 float32 dQ accumulator (head dims 64, 96, 128).
+
+    Each warpgroup computing dQ holds a 64-row WGMMA accumulator fragment (thread t's value i
+    at row 16 (t // 32) + (t % 32) // 4 + 8 ((i // 2) % 2), column 8 (i // 4) + 2 (t % 4) +
+    i % 2 of its part of the tile), copies it to shared memory in register order, four floats
+    (128 bits) per thread side by side, and adds that block to the accumulator as it is; the
+    warpgroups' blocks follow one another. FA4's postprocess reads it back the same way (the
+    GPU test checks this map against it).
+    """
+    from flash_attn.cute import interface as fa
+
+    cfg = fa._tile_size_bwd_sm90(head_dim, head_dim, True, False)
+    groups = 1 if cfg.dQ_single_wg else cfg.num_wg
+    groups_m = cfg.AtomLayoutMdQ  # warpgroups along the rows; the rest split the columns
+    rows, cols = cfg.m_block_size // groups_m, head_dim // (groups // groups_m)
+    if cfg.dQ_swapAB or rows != 64 or head_dim not in (64, 96, 128):
+        raise ValueError(f"no dQ accumulator map for FA4's SM90 backward at head_dim {head_dim}")
+    thread = torch.arange(128)[:, None]
+    value = torch.arange(rows * cols // 128)[None, :]
+    row = 16 * (thread // 32) + thread % 32 // 4 + 8 * (value // 2 % 2)  # [128, values]
+    col = 8 * (value // 4) + 2 * (thread % 4) + value % 2
+    offset = value // 4 * 512 + thread * 4 + value % 4
+    tile = torch.empty(cfg.m_block_size, head_dim, dtype=torch.int64)
+    for group in range(groups):  # column-major over (groups_m, groups // groups_m)
+        tile[group % groups_m * rows + row, group // groups_m * cols + col] = (
+            group * rows * cols + offset)
+    return tile.to(device)
 
 
 @functools.cache
@@ -259,13 +301,14 @@ _SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
-              parts: int, tensors: tuple[torch.Tensor, ...], scale: float):
+              parts: int, add_dkv: bool, tensors: tuple[torch.Tensor, ...], scale: float):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
-    sequence length and batch)."""
+    sequence length and batch); add_dkv: its dK/dV stores add to what is there."""
     cache = _compile_cache()
-    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
+    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts, add_dkv)
     if key not in cache:
         import cutlass.cute as cute
+        from flash_attn.cute import flash_bwd_sm90
         from flash_attn.cute import interface as fa
 
         cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
@@ -279,9 +322,25 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
             length=length, parts=parts)
         cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
-        cache[key] = cute.compile(
-            kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
-            None, fa.AuxData(None, None), None, None,
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options="--enable-tvm-ffi")
+        with _stores_add(flash_bwd_sm90) if add_dkv else contextlib.nullcontext():
+            cache[key] = cute.compile(
+                kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
+                None, fa.AuxData(None, None), None, None,
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                options="--enable-tvm-ffi")
     return cache[key]
+
+
+@contextlib.contextmanager
+def _stores_add(module: types.ModuleType) -> Iterator[None]:
+    """While a kernel compiles (its Python is traced then): FA4's SM90 backward builds its dK
+    and dV TMA stores from `cpasync.CopyBulkTensorTileS2GOp()` in its __call__ and nothing
+    else from that op; make them reduce-adds (cp.reduce.async.bulk.tensor .add, bf16/fp16),
+    so the backward's later pieces add their dK/dV to the earlier pieces' in place."""
+    cpasync = module.cpasync
+    module.cpasync = types.SimpleNamespace(
+        **{**vars(cpasync), "CopyBulkTensorTileS2GOp": cpasync.CopyReduceBulkTensorTileS2GOp})
+    try:
+        yield
+    finally:
+        module.cpasync = cpasync

@@ -27,6 +27,7 @@ import torch
 
 from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
+from models.attention.dca.dq_parts import rotate_back
 from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
@@ -89,35 +90,28 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
 
     The queries go in even pieces of at most `rows` rows (multiples of BLOCK), the last first,
     each with the keys up to its end (the kernel's bottom-right causal alignment): a piece's dq
-    is complete, its dk and dv add to the later pieces' (summed in float32, rounded once per
-    piece). Only a piece's rotated q and its per-part dq are alive at a time.
+    is complete (its parts' accumulators rotated back and summed, dq_parts.py); its dk and dv
+    add to the earlier pieces' in place (the first, reaching every key, writes them), dk in
+    k_rot's frame until one rotation back at the end. Only a piece's rotated q and its
+    per-part dQ accumulators are alive at a time.
     """
     batch, seq = q.shape[:2]
     count = -(-seq // max(rows, BLOCK))
     size = -(-seq // count // BLOCK) * BLOCK
     k_rot = plan.rotate_k(k)  # [b, s, hk, d]
-    dq = dk = dv = None
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk, dv = torch.empty_like(k_rot), torch.empty_like(v, memory_format=torch.contiguous_format)
     for end in range(seq, 0, -size):
         span = slice(max(end - size, 0), end)
         q_rot = plan.rotate_parts(q, span)  # [p, b, n, hq, d]
-        dq_p, dk_end, dv_end = fa4_backward.backward(
+        dq_parts = fa4_backward.backward(
             q_rot.flatten(0, 1), k_rot[:, :end], v[:, :end], out[:, span], dout[:, span],
-            lse[:, :, span], scale, plan.length)  # [p * b, n, hq, d], [b, end, hk, d] x 2
+            lse[:, :, span], scale, plan.length, dk[:, :end], dv[:, :end], end < seq)
         del q_rot
-        dq_p = dq_p.unflatten(0, (plan.num_parts, batch))
-        if plan.q_scale is not None:  # the kernel saw f * q: its dq is d/d(f q)
-            dq_p.mul_(plan.q_scale[:, None, span, None, None])  # [p, 1, n, 1, 1]
-        first = dq is None  # the first piece (the last rows) reaches every key: its dk and
-        if first:  # dv become the gradients (dk rotated back in place), later pieces add
-            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-            dk, dv = dk_end, dv_end
-        for b in range(batch):
-            rotate_transpose_sum(list(dq_p[:, b]), list(plan.positions[:, span]), plan.cos,
-                                 plan.sin, dq[b, span])
-            rotate_transpose_sum([dk_end[b]], [plan.positions[0, :end]], plan.cos, plan.sin,
-                                 dk[b, :end], accumulate=not first)  # in place when first
-            if not first:
-                rotate_transpose_sum([dv_end[b]], None, plan.cos, plan.sin, dv[b, :end],
-                                     accumulate=True)
-        del dq_p, dk_end, dv_end  # before the next piece's kernel allocates its own
+        rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
+                    None if plan.q_scale is None else plan.q_scale[:, span], scale, dq[:, span])
+        del dq_parts  # before the next piece's kernel allocates its own
+    del k_rot
+    for b in range(batch):
+        rotate_transpose_sum([dk[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
     return dq, dk, dv
