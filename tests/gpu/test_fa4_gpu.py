@@ -22,7 +22,7 @@ from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
 from models.attention.dca import backward as dca_backward
-from models.attention.dca import fa4_backward, fa4_forward, grouped
+from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
@@ -247,14 +247,14 @@ def test_head_dims_fa4_leaves_run_on_cudnn(head_dim: int, fa4_counted: dict[str,
 
 
 @pytest.mark.parametrize("head_dim", grouped.HEAD_DIMS)
-def test_dq_tile_is_the_layout_fa4_postprocess_reads(head_dim: int) -> None:
-    """fa4_backward.dq_tile (where the kernel's dQ accumulator keeps each row and column)
-    against FA4's own postprocess: an accumulator holding every float's index, converted by
-    FA4 to [b, s, h, d] in digits exact in bf16, gives back the index of each element."""
+def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
+    """dq_parts.fa4_sm90_rows (the order of the kernel's dQ accumulator) against FA4's own
+    postprocess: an accumulator holding every float's index, converted by FA4 to [b, s, h, d]
+    in digits exact in bf16, gives back the index of each element."""
     from flash_attn.cute import interface as fa
 
     cfg = fa._tile_size_bwd_sm90(head_dim, head_dim, True, False)
-    heads, seq, tile = 2, 4 * cfg.m_block_size, fa4_backward.dq_tile(head_dim, "cuda")
+    heads, seq = 2, 4 * cfg.m_block_size
     index = torch.arange(heads * seq * head_dim, device="cuda").view(1, heads, -1)
     found = torch.zeros(1, seq, heads, head_dim, dtype=torch.int64, device="cuda")
     for digit in range(3):  # base 256: integers below 256 are exact in bf16
@@ -265,36 +265,31 @@ def test_dq_tile_is_the_layout_fa4_postprocess_reads(head_dim: int) -> None:
             cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
             cfg.AtomLayoutMdQ, cfg.dQ_swapAB, fake_mode=False, hdim_multiple_of=32)
         found += dq.long() * 256 ** digit
-    row = torch.arange(seq, device="cuda")
-    head = torch.arange(heads, device="cuda")
-    expected = (head[None, :, None] * seq * head_dim  # [s, h, d]
-                + (row // cfg.m_block_size * cfg.m_block_size * head_dim)[:, None, None]
-                + tile[row % cfg.m_block_size][:, None, :])
-    assert torch.equal(found[0], expected)
+    assert torch.equal(found.transpose(1, 2), dq_parts.fa4_sm90_rows(index, head_dim))
 
 
+@pytest.mark.parametrize("head_dim", grouped.HEAD_DIMS)
 @pytest.mark.parametrize("factors", [False, True])
-def test_rotate_back_kernel_matches_torch(factors: bool) -> None:
+def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool) -> None:
     """dq_parts.rotate_back's Triton kernel against its torch path (float64 tables): three
-    parts in FA4's tile layout, batch 2, into a view of dq's rows."""
-    from models.attention.dca import dq_parts
-
+    parts in FA4's layout, batch 2, into a view of dq's rows."""
     torch.manual_seed(0)
     parts, batch, rows, heads, seq = 3, 2, 256, 4, 512
-    tile = fa4_backward.dq_tile(D, "cuda")
-    data = torch.randn(parts * batch, heads, rows * D, device="cuda")
+    data = torch.randn(parts * batch, heads, rows * head_dim, device="cuda")
     positions = torch.randint(0, 1000, (parts, seq), dtype=torch.int32, device="cuda")
-    angles = torch.arange(1001, device="cuda", dtype=torch.float64)[:, None] * (
-        10000.0 ** (-torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float64)
+                           / head_dim)
+    angles = torch.arange(1001, device="cuda", dtype=torch.float64)[:, None] * inv_freq
     scale = torch.rand(parts, seq, device="cuda", dtype=torch.float64) + 0.5 if factors else None
     span = slice(128, 128 + rows)
-    dq = torch.zeros(batch, seq, heads, D, device="cuda", dtype=torch.bfloat16)
-    dq_parts.rotate_back(dq_parts.DQParts(data, tile), positions[:, span],
+    dq = torch.zeros(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    dq_parts.rotate_back(dq_parts.DQParts(data, "fa4_sm90"), positions[:, span],
                          angles.cos().float(), angles.sin().float(),
                          None if scale is None else scale[:, span].float(), 0.125, dq[:, span])
-    expected = torch.zeros(batch, rows, heads, D, device="cuda", dtype=torch.float64)
-    dq_parts.rotate_back(dq_parts.DQParts(data.double(), tile), positions[:, span], angles.cos(),
-                         angles.sin(), None if scale is None else scale[:, span], 0.125, expected)
+    expected = torch.zeros(batch, rows, heads, head_dim, device="cuda", dtype=torch.float64)
+    dq_parts.rotate_back(dq_parts.DQParts(data.double(), "fa4_sm90"), positions[:, span],
+                         angles.cos(), angles.sin(), None if scale is None else scale[:, span],
+                         0.125, expected)
     assert rel_err(dq[:, span], expected) < 5e-3
     assert not dq[:, :128].any() and not dq[:, 128 + rows:].any()
 

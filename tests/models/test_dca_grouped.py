@@ -11,7 +11,7 @@ import torch
 
 from models.attention import kernels
 from models.attention.dca import backward as dca_backward
-from models.attention.dca import fa4_backward, fa4_forward, grouped
+from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.dq_parts import DQParts, rotate_back
 from models.attention.dca.plan import KernelPaths
@@ -177,30 +177,53 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
         grad = grad.unflatten(2, (heads_kv, group)).sum(3)
         total.copy_(total + grad if accumulate else grad)
     data = dq.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, seq_q * head_dim)
-    return DQParts(data, torch.arange(head_dim)[None, :])
+    return DQParts(data, "rows")
 
 
-def test_rotate_back_reads_through_the_tile_map() -> None:
-    """dq_parts.rotate_back on an accumulator whose blocks are permuted (tiles of 4 rows) equals
-    it on the same values in row order, and both equal the sum of the parts rotated back one by
-    one (rope.apply_rope with sin negated), times their factors and the scale."""
+def _fa4_sm90_offsets(rows: int, dim: int) -> torch.Tensor:
+    """[rows, d]: where FA4's SM90 backward adds dQ's (row, column) in its accumulator, written
+    from its WGMMA fragment and shared-memory copy (one warpgroup per 64 rows and d columns, as
+    a second formulation beside dq_parts.fa4_sm90_rows's reshape)."""
+    thread = torch.arange(128)[:, None]
+    value = torch.arange(64 * dim // 128)[None, :]
+    row = 16 * (thread // 32) + thread % 32 // 4 + 8 * (value // 2 % 2)  # [128, values]
+    col = 8 * (value // 4) + 2 * (thread % 4) + value % 2
+    offsets = torch.empty(rows, dim, dtype=torch.int64)
+    for group in range(rows // 64):
+        offsets[group * 64 + row, col] = group * 64 * dim + value // 4 * 512 + thread * 4 + (
+            value % 4)
+    return offsets
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_fa4_sm90_rows_reads_the_fragment_order(dim: int) -> None:
+    offsets = _fa4_sm90_offsets(128, dim)
+    assert torch.equal(dq_parts.fa4_sm90_rows(torch.arange(128 * dim), dim), offsets)
+    assert torch.equal(offsets.flatten().sort().values, torch.arange(128 * dim))
+
+
+@pytest.mark.parametrize("layout", ["rows", "fa4_sm90"])
+def test_rotate_back_matches_the_parts_rotated_one_by_one(layout: str) -> None:
+    """dq_parts.rotate_back (torch) equals the sum of the parts rotated back one by one
+    (rope.apply_rope with sin negated), times their factors and the scale, the parts given in
+    row order or in FA4's accumulator order."""
     torch.manual_seed(0)
-    parts, batch, rows, heads, dim, tile_m = 3, 2, 8, 2, 6, 4
+    parts, batch, rows, heads, dim = 3, 2, 128, 2, 64
     grads = torch.randn(parts, batch, rows, heads, dim, dtype=torch.float64)
     positions = torch.randint(0, 20, (parts, rows), dtype=torch.int32)
     cos, sin = rope_cos_sin(torch.arange(20), dim, dtype=torch.float64)
-    cos_half, sin_half = cos[:, :dim // 2], sin[:, :dim // 2]
     factors = torch.rand(parts, rows, dtype=torch.float64)
     expected = sum(apply_rope(grads[p] * factors[p, None, :, None, None], cos[positions[p]],
                               -sin[positions[p]]) for p in range(parts)) * 0.5
-    in_rows = grads.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, rows * dim)
-    tile = torch.randperm(tile_m * dim).view(tile_m, dim)
-    permuted = torch.empty_like(in_rows).view(parts * batch, heads, rows // tile_m, -1)
-    permuted[..., tile.flatten()] = in_rows.view(parts * batch, heads, rows // tile_m, -1)
-    for data, layout in ((in_rows, torch.arange(dim)[None, :]), (permuted.flatten(2), tile)):
-        out = torch.empty(batch, rows, heads, dim, dtype=torch.float64)
-        rotate_back(DQParts(data, layout), positions, cos_half, sin_half, factors, 0.5, out)
-        torch.testing.assert_close(out, expected)
+    data = grads.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, rows * dim)
+    if layout == "fa4_sm90":
+        ordered = torch.empty_like(data)
+        ordered[..., _fa4_sm90_offsets(rows, dim).flatten()] = data
+        data = ordered
+    out = torch.empty(batch, rows, heads, dim, dtype=torch.float64)
+    rotate_back(DQParts(data, layout), positions, cos[:, :dim // 2], sin[:, :dim // 2], factors,
+                0.5, out)
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.fixture

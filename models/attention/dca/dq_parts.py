@@ -1,12 +1,13 @@
 """DCA's backward kernel leaves dQ per part: the gradients of each part's rotated queries, in
-float32 accumulators laid out as FA4's SM90 backward keeps them (fa4_backward.dq_tile). The
-true dq is the sum over the parts of each one rotated back (a rotation's transpose: sin
-negated), times the part's logit factors, times the softmax scale:
+float32 accumulators laid out as FA4's SM90 backward keeps them (`fa4_sm90_rows`). The true dq
+is the sum over the parts of each one rotated back (a rotation's transpose: sin negated), times
+the part's logit factors, times the softmax scale:
 
     dq_i = scale * sum_p f_p(i) R(pos_p(i))^T dQ_p[i]
 
-`rotate_back` does that in one pass: on CUDA a Triton kernel that reads every part's
-accumulator once (through the tile map) and writes dq once, rounding once; elsewhere torch.
+`rotate_back` does that in one pass, in place of FA4's postprocess per part: on CUDA a Triton
+kernel that reads every part's accumulator once (contiguously, reordered in registers) and
+writes dq once, rounding once; elsewhere torch.
 """
 
 from __future__ import annotations
@@ -26,10 +27,31 @@ except ImportError:  # CPU-only installs: the torch path is used instead.
 
 class DQParts(NamedTuple):
     """Per-part dQ of the rotated queries, unscaled: data [parts * b, h, n * d] (part-major),
-    each run of tile_m rows one block of tile_m * d values in which row r, column c of the
-    block sits at tile[r, c] (tile: [tile_m, d] int64 on data's device)."""
+    each (part, sequence, head)'s n * d values in `layout`: "rows" (row-major [n, d]) or
+    "fa4_sm90" (FA4's SM90 backward accumulator; `fa4_sm90_rows`)."""
     data: torch.Tensor
-    tile: torch.Tensor
+    layout: str
+
+
+def fa4_sm90_rows(data: torch.Tensor, dim: int) -> torch.Tensor:
+    """[..., n * d] in FA4's SM90 dQ accumulator order -> [..., n, d] (a copy), for head dims
+    64, 96 and 128.
+
+    FA4's SM90 backward computes dQ in 64-row WGMMA fragments (a warpgroup's thread t holds
+    value i at row 16 (t // 32) + 8 ((i // 2) % 2) + (t % 32) // 4, column 8 (i // 4) +
+    2 (t % 4) + i % 2), copies each warpgroup's fragment to shared memory in register order,
+    four floats per thread side by side, and adds that block to the accumulator as it is. At
+    these head dims every 64 rows take 64 * d values, the first half of the columns before the
+    second, each half ordered (column / 8, warp, lane / 4, lane % 4, (i // 2) % 2, i % 2).
+    """
+    groups = data.shape[-1] // (64 * dim)
+    blocks = data.reshape(*data.shape[:-1], groups, 2, dim // 16, 4, 8, 4, 2, 2)
+    lead = data.dim() - 1
+    # (half, col/8, warp, lane/4, lane%4, row+8, col%2) -> rows (warp, row+8, lane/4) and
+    # columns (half, col/8, lane%4, col%2)
+    order = [*range(lead + 1), lead + 3, lead + 6, lead + 4, lead + 1, lead + 2, lead + 5,
+             lead + 7]
+    return blocks.permute(order).reshape(*data.shape[:-1], groups * 64, dim)
 
 
 def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tensor,
@@ -39,26 +61,26 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
 
     positions: [parts, n] int32 rows of the [P, d/2] half tables (a unit last stride);
     factors: [parts, n] logit factors, or None (all 1). out may be a view with a unit last
-    stride; n must be a multiple of tile_m."""
+    stride. Layout "fa4_sm90" needs n a multiple of 64 and d one of 64, 96, 128."""
     parts = positions.shape[0]
     batch, rows, heads, dim = out.shape
-    tile_m = dq_parts.tile.shape[0]
-    if rows % tile_m or dq_parts.data.shape != (parts * batch, heads, rows * dim):
-        raise ValueError(f"dQ parts {tuple(dq_parts.data.shape)} (tiles of {tile_m} rows) do "
-                         f"not fit {parts} parts of dq {tuple(out.shape)}")
-    if not use_triton(dq_parts.data):
+    if dq_parts.data.shape != (parts * batch, heads, rows * dim):
+        raise ValueError(f"dQ parts {tuple(dq_parts.data.shape)} do not fit {parts} parts of "
+                         f"dq {tuple(out.shape)}")
+    if dq_parts.layout == "fa4_sm90" and (rows % 64 or dim not in (64, 96, 128)):
+        raise ValueError(f"FA4's SM90 dQ layout needs rows ({rows}) a multiple of 64 and "
+                         f"head_dim ({dim}) one of 64, 96, 128")
+    if dq_parts.layout != "fa4_sm90" or not use_triton(dq_parts.data):
         _rotate_back_torch(dq_parts, positions, cos_half, sin_half, factors, scale, out)
         return
     half = dim // 2
-    grid = (rows // tile_m, heads, batch)
-    _rotate_back_kernel[grid](
-        dq_parts.data, dq_parts.tile, positions, cos_half, sin_half,
+    _rotate_back_kernel[(rows // 64, heads, batch)](
+        dq_parts.data, positions, cos_half, sin_half,
         factors if factors is not None else cos_half, out,
-        batch, dq_parts.data.stride(0), dq_parts.data.stride(1), dq_parts.tile.stride(0),
-        positions.stride(0), cos_half.stride(0),
-        factors.stride(0) if factors is not None else 0, out.stride(0), out.stride(1),
-        out.stride(2), scale,
-        PARTS=parts, DIM=dim, HALF=half, TILE_M=tile_m, BLOCK_D=triton.next_power_of_2(half),
+        batch, dq_parts.data.stride(0), dq_parts.data.stride(1), positions.stride(0),
+        cos_half.stride(0), factors.stride(0) if factors is not None else 0, out.stride(0),
+        out.stride(1), out.stride(2), scale,
+        PARTS=parts, DIM=dim, HALF=half, COL8=triton.next_power_of_2(half // 8),
         FACTORS=factors is not None, num_warps=8,
     )
 
@@ -68,9 +90,9 @@ def _rotate_back_torch(dq_parts: DQParts, positions: torch.Tensor, cos_half: tor
                        out: torch.Tensor) -> None:
     parts = positions.shape[0]
     batch, rows, heads, dim = out.shape
-    tile_m = dq_parts.tile.shape[0]
-    blocks = dq_parts.data.view(parts, batch, heads, rows // tile_m, tile_m * dim)
-    grads = blocks[..., dq_parts.tile.flatten()].view(parts, batch, heads, rows, dim)
+    data = dq_parts.data.view(parts, batch, heads, rows * dim)
+    grads = (fa4_sm90_rows(data, dim) if dq_parts.layout == "fa4_sm90"
+             else data.view(parts, batch, heads, rows, dim))
     grads = grads.transpose(2, 3).to(cos_half.dtype) * scale  # [p, b, n, h, d]
     total = torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device)
     for p in range(parts):
@@ -83,29 +105,34 @@ def _rotate_back_torch(dq_parts: DQParts, positions: torch.Tensor, cos_half: tor
 if triton is not None:
 
     @triton.jit
-    def _rotate_back_kernel(data_ptr, tile_ptr, pos_ptr, cos_ptr, sin_ptr, factor_ptr, out_ptr,
-                            B, s_data_bp, s_data_h, s_tile, s_pos, s_tab, s_factor, s_out_b,
-                            s_out_s, s_out_h, scale, PARTS: tl.constexpr, DIM: tl.constexpr,
-                            HALF: tl.constexpr, TILE_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                            FACTORS: tl.constexpr):
-        # One program: one tile of TILE_M rows of one head of one sequence, every part.
-        block = tl.program_id(0).to(tl.int64)
+    def _fa4_sm90_half(ptr, COL8: tl.constexpr, HALF: tl.constexpr):
+        # One half of a 64-row group in FA4's order (fa4_sm90_rows), as [64, 8 * COL8] rows
+        # and columns; columns from HALF on are padding (COL8 = HALF / 8 rounded up to a power
+        # of two, the values past the half masked).
+        j = tl.arange(0, COL8 * 512)
+        x = tl.load(ptr + j, mask=j < HALF * 64, other=0.0)  # contiguous, coalesced
+        x = tl.reshape(x, (COL8, 4, 8, 4, 2, 2))  # (col/8, warp, lane/4, lane%4, +8, col%2)
+        x = tl.permute(x, (1, 4, 2, 0, 3, 5))
+        return tl.reshape(x, (64, COL8 * 8))
+
+    @triton.jit
+    def _rotate_back_kernel(data_ptr, pos_ptr, cos_ptr, sin_ptr, factor_ptr, out_ptr,
+                            B, s_data_bp, s_data_h, s_pos, s_tab, s_factor, s_out_b, s_out_s,
+                            s_out_h, scale, PARTS: tl.constexpr, DIM: tl.constexpr,
+                            HALF: tl.constexpr, COL8: tl.constexpr, FACTORS: tl.constexpr):
+        # One program: 64 rows of one head of one sequence, every part.
+        group = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
-        r = tl.arange(0, TILE_M)  # row in the tile
-        c = tl.arange(0, BLOCK_D)  # column in the first half
+        row = group * 64 + tl.arange(0, 64)  # in the sequence piece
+        c = tl.arange(0, COL8 * 8)  # column in the first half
         ok = (c < HALF)[None, :]
-        t_off = r[:, None] * s_tile + c[None, :]
-        lo = tl.load(tile_ptr + t_off, mask=ok, other=0)  # [TM, BD] offsets in the tile
-        hi = tl.load(tile_ptr + t_off + HALF, mask=ok, other=0)
-        row = block * TILE_M + r  # in the sequence piece
-        acc1 = tl.zeros((TILE_M, BLOCK_D), dtype=tl.float32)
-        acc2 = tl.zeros((TILE_M, BLOCK_D), dtype=tl.float32)
+        acc1 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
+        acc2 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
         for p in tl.static_range(PARTS):
-            base = (data_ptr + (p * B + b) * s_data_bp + head * s_data_h
-                    + block * (TILE_M * DIM))
-            g1 = tl.load(base + lo, mask=ok, other=0.0)
-            g2 = tl.load(base + hi, mask=ok, other=0.0)
+            base = data_ptr + (p * B + b) * s_data_bp + head * s_data_h + group * (64 * DIM)
+            g1 = _fa4_sm90_half(base, COL8, HALF)
+            g2 = _fa4_sm90_half(base + HALF * 64, COL8, HALF)
             pos = tl.load(pos_ptr + p * s_pos + row).to(tl.int64)
             tab = pos[:, None] * s_tab + c[None, :]
             cos = tl.load(cos_ptr + tab, mask=ok, other=0.0)

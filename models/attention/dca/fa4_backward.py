@@ -64,6 +64,9 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
                          f"key ({seq_k}) rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
     cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
     tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
+    if cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64 or head_dim not in (64, 96, 128):
+        raise ValueError(f"head_dim {head_dim}: FA4's dQ accumulator is not in the layout "
+                         "dq_parts.fa4_sm90_rows reads")
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
     multiple = 64 if cfg.dKV_swapAB else 32  # FA4's accumulator rounding of the head dim
     dim_acc = -(-head_dim // multiple) * multiple
@@ -106,39 +109,7 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
                                         hdim_multiple_of=multiple)
             if accumulate:
                 grad.add_(converted)
-    return DQParts(dq_accum, dq_tile(head_dim, device))
-
-
-@functools.cache
-def dq_tile(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """[tile_m, d] int64: where dQ's (row, column) of an m-block lies in that block's tile_m * d
-    floats of FA4's SM90 float32 dQ accumulator (head dims 64, 96, 128).
-
-    Each warpgroup computing dQ holds a 64-row WGMMA accumulator fragment (thread t's value i
-    at row 16 (t // 32) + (t % 32) // 4 + 8 ((i // 2) % 2), column 8 (i // 4) + 2 (t % 4) +
-    i % 2 of its part of the tile), copies it to shared memory in register order, four floats
-    (128 bits) per thread side by side, and adds that block to the accumulator as it is; the
-    warpgroups' blocks follow one another. FA4's postprocess reads it back the same way (the
-    GPU test checks this map against it).
-    """
-    from flash_attn.cute import interface as fa
-
-    cfg = fa._tile_size_bwd_sm90(head_dim, head_dim, True, False)
-    groups = 1 if cfg.dQ_single_wg else cfg.num_wg
-    groups_m = cfg.AtomLayoutMdQ  # warpgroups along the rows; the rest split the columns
-    rows, cols = cfg.m_block_size // groups_m, head_dim // (groups // groups_m)
-    if cfg.dQ_swapAB or rows != 64 or head_dim not in (64, 96, 128):
-        raise ValueError(f"no dQ accumulator map for FA4's SM90 backward at head_dim {head_dim}")
-    thread = torch.arange(128)[:, None]
-    value = torch.arange(rows * cols // 128)[None, :]
-    row = 16 * (thread // 32) + thread % 32 // 4 + 8 * (value // 2 % 2)  # [128, values]
-    col = 8 * (value // 4) + 2 * (thread % 4) + value % 2
-    offset = value // 4 * 512 + thread * 4 + value % 4
-    tile = torch.empty(cfg.m_block_size, head_dim, dtype=torch.int64)
-    for group in range(groups):  # column-major over (groups_m, groups // groups_m)
-        tile[group % groups_m * rows + row, group // groups_m * cols + col] = (
-            group * rows * cols + offset)
-    return tile.to(device)
+    return DQParts(dq_accum, "fa4_sm90")
 
 
 @functools.cache
