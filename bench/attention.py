@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from models.attention import kernels, lse_attention
-from models.attention.dca import grouped
 from models.attention.dca.attention import dual_chunk_attention
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -110,24 +109,14 @@ def fa4() -> Variant:
 
 def dca(chunk_size: int, local_size: int, name: str = "dca",
         cuda_graphs: bool = False, kernel: str = "cudnn", path: str = "default") -> Variant:
-    """`path`, under fa4: "default" (dca/grouped.py's rules), or forced: "one_call" (DCA's
-    forward kernel, its backward kernel in one piece), "pieces" (both kernels, the backward in
-    pieces of query rows) or "parts" (the part calls both ways). Forced around the call, where
-    DCA makes its plan: its backward follows the plan."""
-    rules = {"default": {}, "one_call": {"MAX_TOKENS": 1 << 40}, "pieces": {"MAX_TOKENS": 0},
-             "parts": {}}[path]
-    backward = {"pieces": "kernel", "parts": "parts"}.get(path, "auto")  # dca_backward
+    """`path`, under fa4 (attention.dca_backward, dca/grouped.py): "default" (auto: DCA's
+    kernels where they apply, the backward in pieces), "one_call" (one_piece: the backward
+    kernel in one piece) or "parts" (the part calls both ways)."""
+    backward = {"one_call": "one_piece", "parts": "parts"}.get(path, "auto")
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        defaults = {key: getattr(grouped, key) for key in rules}
-        for key, value in rules.items():
-            setattr(grouped, key, value)
-        try:
-            return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
-                                        cuda_graphs=cuda_graphs, backward=backward)
-        finally:
-            for key, value in defaults.items():
-                setattr(grouped, key, value)
+        return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
+                                    cuda_graphs=cuda_graphs, backward=backward)
     return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops,
                    peak_complete=not cuda_graphs, kernel=kernel)
 
@@ -160,12 +149,12 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
                                    kernel="fa4"),
     # DCA on FA4 forced onto one path (dca(path=...)): its part calls both ways, or its kernels
-    # with the backward in pieces or in one piece (grouped.py)
+    # with the backward in one piece (grouped.py)
     **{f"dca{size}_fa4_{path}": (lambda a, size=size, path=path: dca(
         a.dca_chunk if size == "" else a.dca_small_chunk,
         a.dca_local if size == "" else a.dca_small_chunk // 8, f"dca_fa4_{path}",
         kernel="fa4", path=path))
-       for size in ("", "_small") for path in ("parts", "pieces", "one_call")},
+       for size in ("", "_small") for path in ("parts", "one_call")},
     "dca_small_graphs_fa4_parts": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
                                                 "dca_graphs_fa4_parts", True, "fa4", "parts"),
     "chunked_fa4": lambda a: chunked(a.chunked_size, "fa4"),

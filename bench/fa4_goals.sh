@@ -7,20 +7,17 @@
 #   small   bench.attention at 8K, DCA with C = 2048 (cuDNN, FA4), one call and 20 back to back
 #   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
 #           C = 2048 and 32K C = 8192, one call per sample
-#   onecall DCA on FA4 as its part calls, as the part-call forward with DCA's backward kernel
-#           in pieces, and as one call each way (models/attention/dca/grouped.py): 8K C = 2048
-#           synchronised, back to back and as CUDA graphs; 16K with C = 8192 and 2048 back to
-#           back and 32K synchronised (where MAX_TOKENS comes from)
-#   kernel  DCA's backward kernel in pieces (attention.dca_backward=kernel) against the part
-#           calls at 32K and 128K, and gpt_1p3b DCA at 32K / 128K under both settings
-#   forward DCA's forward kernel (models/attention/dca/fa4_forward.py; the default wherever DCA's
-#           kernels apply) against the part calls: 8K C = 2048 back to back; 32K and 128K
-#           with the part-call backward (auto) and the kernel backward in pieces; gpt_1p3b
-#           DCA at 32K / 128K under auto and kernel, standard attention beside them
+#   inplace DCA's kernels as the default (attention.dca_backward=auto: the backward kernel in
+#           pieces, dK/dV added in place, dQ rotated back in one pass) against one_piece and
+#           the part calls: 8K C = 2048 back to back; 32K and 128K with a profile of auto at
+#           32K; gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K
+#   (The stages `onecall`, `kernel` and `forward` of earlier sessions compared settings the
+#   in-place backward replaced (MAX_TOKENS, dca_backward=kernel); their figures in
+#   docs/benchmarks.md name their commits.)
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #
-#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small onecall train
+#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small inplace train
 set -uo pipefail
 OUT=${OUT:?set OUT to the output directory}
 PYTHON=${PYTHON:-python}
@@ -48,41 +45,18 @@ for stage in "$@"; do
               --warmup 3 --variants sdpa_cudnn,fa4,dca_small_graphs,dca_small_graphs_fa4,dca_graphs_fa4 \
               --out "$OUT/attention_graphs.json" > "$OUT/attention_graphs.log" 2>&1
             grep -E "^\| (8192|32768)" "$OUT/attention_graphs.log" ;;
-    onecall) A=("$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4)
-             V=sdpa_cudnn,fa4,dca_small,dca_small_fa4_parts,dca_small_fa4_pieces,dca_small_fa4_one_call
-             { "${A[@]}" --seqs 8192 --variants $V --out "$OUT/s8k.json"
-               "${A[@]}" --seqs 8192 --back-to-back 20 --variants $V --out "$OUT/b8k.json"
-               "${A[@]}" --seqs 8192 --out "$OUT/g8k.json" \
-                 --variants sdpa_cudnn,fa4,dca_small_graphs_fa4_parts,dca_small_graphs_fa4
-               "${A[@]}" --seqs 16384 --back-to-back 10 --out "$OUT/b16k.json" \
-                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4_pieces,dca_fa4_one_call,dca_small_fa4_parts,dca_small_fa4_one_call
-               "${A[@]}" --seqs 32768 --out "$OUT/s32k.json" \
-                 --variants fa4,dca_fa4_parts,dca_fa4_pieces,dca_fa4_one_call
-             } > "$OUT/bench.log" 2>&1
-             grep -E "^\| (8192|16384|32768)" "$OUT/bench.log" ;;
-    kernel) "$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4 \
-              --seqs 32768,131072 --variants fa4,dca_fa4_parts,dca_fa4_pieces \
-              --out "$OUT/pieces.json" > "$OUT/pieces.log" 2>&1
-            "$PYTHON" bench/train.py --models gpt_1p3b --attention dca --seqs 32768 131072 \
-              --steps 8 --warmup 3 --steps-for 131072:5:2 --set trainer.fused_norm=true \
-              trainer.fused_rope=true logger=none attention.kernel=fa4 \
-              --set-for 131072 trainer.recompute=full \
-              --variant auto attention.dca_backward=auto \
-              --variant kernel attention.dca_backward=kernel \
-              --out "$OUT/train_kernel.json" > "$OUT/train_kernel.log" 2>&1
-            grep -E "^\| (32768|131072|gpt)" "$OUT/pieces.log" "$OUT/train_kernel.log" ;;
-    forward) A=("$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4)
+    inplace) A=("$PYTHON" -m bench.attention --repeats 10 --warmup 3 --kv-heads 16,4)
              { "${A[@]}" --seqs 8192 --back-to-back 20 --out "$OUT/b8k.json" \
-                 --variants sdpa_cudnn,fa4,dca_small_fa4_parts,dca_small_fa4
-               "${A[@]}" --seqs 32768,131072 --out "$OUT/long.json" \
-                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4,dca_fa4_pieces
+                 --variants sdpa_cudnn,fa4,dca_small_fa4_parts,dca_small_fa4,dca_small_fa4_one_call
+               "${A[@]}" --seqs 32768,131072 --out "$OUT/long.json" --profile dca_fa4 \
+                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4,dca_fa4_one_call
              } > "$OUT/bench.log" 2>&1
              "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
                --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
                --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
                attention.kernel=fa4 --set-for 131072 trainer.recompute=full \
                --variant auto attention.dca_backward=auto \
-               --variant kernel attention.dca_backward=kernel \
+               --variant one_piece attention.dca_backward=one_piece \
                --out "$OUT/train.json" > "$OUT/train.log" 2>&1
              grep -E "^\| (8192|32768|131072|gpt)" "$OUT/bench.log" "$OUT/train.log" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \

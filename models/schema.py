@@ -58,10 +58,9 @@ class AttentionConfig:
     dca_scaling_attn_scale: float = 0.1
     dca_scaling_floor_scale: int = 8192  # log only
     dca_scaling_original_length: int | None = None  # yarn only; None: dca_chunk_size
-    # DCA's backward under FA4 (models/attention/dca/grouped.py; the forward takes DCA's own
-    # kernel unless parts): auto (DCA's backward kernel up to 16K tokens, the bounded part calls
-    # above) | kernel (the kernel at every length, in pieces above 16K: faster, more transient
-    # memory) | parts (the part calls both ways)
+    # DCA under FA4, where its own kernels apply (models/attention/dca/grouped.py): auto (both
+    # kernels, the backward in pieces of query rows: bounded memory) | one_piece (the backward in
+    # one piece: a few percent faster, ~2.3x the attention's memory) | parts (the part calls)
     dca_backward: str = "auto"
     chunk_size: int = 8192
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)

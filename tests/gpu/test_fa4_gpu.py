@@ -21,7 +21,6 @@ import torch
 from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.dca import backward as dca_backward
 from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
@@ -135,19 +134,15 @@ def test_chunked(hk: int, packed: bool) -> None:
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group, both passes), "forward kernel" (DCA's forward kernel, fa4_forward.py, with the part
-    calls backward: auto above 16K tokens), "pieces" (both kernels, the backward over pieces of
-    1024 query rows) or "one call" (both kernels, the backward in one piece); checks that it
-    ran."""
+    group, both passes), "pieces" (DCA's own kernels, the backward over pieces of 1024 query
+    rows: dca_backward=auto) or "one call" (both kernels, the backward in one piece:
+    one_piece); checks that it ran."""
     taken = {"forward": 0, "backward": 0, "forward kernel": 0, "backward kernel": 0}
     paths = grouped.paths
-    setting = {"parts": "parts", "forward kernel": "auto", "pieces": "kernel",
-               "one call": "auto"}[request.param]
+    setting = {"parts": "parts", "pieces": "auto", "one call": "one_piece"}[request.param]
     monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
         q, length, packed, setting))  # dca_backward
-    if request.param in ("pieces", "forward kernel"):
-        monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
-        monkeypatch.setattr(dca_backward, "MIN_ROWS_PER_CALL", 1024)
+    monkeypatch.setattr(grouped, "MIN_PIECE_ROWS", 1024)
 
     def counting(module, name: str, key: str) -> None:  # noqa: ANN001
         fn = getattr(module, name)
@@ -164,14 +159,11 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     yield request.param
     if request.param == "parts":
         assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0 and not any(taken.values())
-    elif request.param == "forward kernel":
-        assert fa4_counted["fwd"] == 0 and fa4_counted["bwd"] > 0
-        assert taken["forward"] == taken["forward kernel"] > 0 and not taken["backward"]
     else:
         assert fa4_counted == {"fwd": 0, "bwd": 0} and all(taken.values())
         assert taken["forward kernel"] == taken["forward"]  # one call
-        if request.param == "pieces":
-            assert taken["backward kernel"] > taken["backward"]  # several pieces
+        pieces = taken["backward kernel"] / taken["backward"]
+        assert pieces > 1 if request.param == "pieces" else pieces == 1
 
 
 def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None = None,  # noqa: ANN001
@@ -186,7 +178,7 @@ def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None =
     return errors
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "forward kernel", "pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
 def test_dca(hk: int, dca_path: str) -> None:
@@ -195,7 +187,7 @@ def test_dca(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["forward kernel", "pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
@@ -208,7 +200,7 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
-@pytest.mark.parametrize("dca_path", ["forward kernel", "pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
@@ -316,7 +308,7 @@ def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "forward kernel", "pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_replayed_as_cuda_graphs(hk: int, dca_path: str) -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from models.attention import kernels
-from models.attention.dca import backward as dca_backward
 from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.dq_parts import DQParts, rotate_back
@@ -78,23 +77,27 @@ def test_kernels_apply_only_where_they_are_exact(
     assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
 
 
-@pytest.mark.parametrize(("backward", "seq", "expected"), [
-    ("auto", 4096, (True, True, True)), ("auto", 32768, (True, False, False)),
-    ("kernel", 4096, (True, True, True)), ("kernel", 32768, (True, True, False)),
-    ("parts", 4096, (False, False, False)), ("parts", 32768, (False, False, False)),
+@pytest.mark.parametrize(("backward", "expected"), [
+    ("auto", (True, False)), ("one_piece", (True, True)), ("parts", (False, False)),
 ])
-def test_dca_backward_setting_picks_the_paths(backward: str, seq: int, expected: tuple,
+def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """(forward kernel, backward kernel, in one piece) per `dca_backward`, where the kernels
-    apply (FA4, aligned); none where they do not."""
+    """(DCA's kernels, the backward in one piece) per `dca_backward`, where the kernels apply
+    (FA4, aligned); the part calls where they do not."""
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
-    assert grouped.paths(torch.zeros(1, seq, 4, 64), 896, False, backward) == expected
+    assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == expected
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)
-    assert grouped.paths(torch.zeros(1, seq, 4, 64), 896, False, backward) == KernelPaths()
+    assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == KernelPaths()
+
+
+def test_auto_backward_pieces_are_a_fifth_of_the_rows() -> None:
+    assert grouped.piece_rows(131072) == 131072 // 5
+    assert grouped.piece_rows(32768) == 32768 // 5
+    assert grouped.piece_rows(8192) == grouped.MIN_PIECE_ROWS
 
 
 def test_dca_backward_setting_is_checked() -> None:
-    with pytest.raises(ValueError, match="dca_backward must be one of auto | kernel | parts"):
+    with pytest.raises(ValueError, match="dca_backward must be one of auto | one_piece | parts"):
         grouped.paths(torch.zeros(1, 64, 2, 8), 16, False, "fast")
     q = torch.zeros(1, 64, 2, 8)
     with pytest.raises(ValueError, match="dca_backward"):
@@ -114,9 +117,9 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
                             torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
-    out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4)
+    out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, backward="one_piece")
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
-    monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
+    monkeypatch.setattr(grouped, "piece_rows", lambda seq: 1)
     out.sum().backward()
     assert taken == ["forward", "backward(64)"]  # in one piece, as planned
 
@@ -235,11 +238,7 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
     def recorded(q_rot, k_rot, *args):  # noqa: ANN001, ANN002, ANN202
         calls.append((q_rot.shape[1], k_rot.shape[1]))
         return dense_kernel_backward(q_rot, k_rot, *args)
-    paths = grouped.paths
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
-    monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
-        q, length, packed, "kernel"))  # dca_backward=kernel
-    monkeypatch.setattr(grouped, "MAX_TOKENS", 0)
     monkeypatch.setattr(grouped, "BLOCK", 1)
     monkeypatch.setattr(fa4_backward, "backward", recorded)
     monkeypatch.setattr(fa4_forward, "forward", dense_kernel_forward)
@@ -254,7 +253,7 @@ def test_kernel_backward_pieces_match_the_reference(
     """The queries in even pieces of at most `budget` rows, the last first, each with the keys
     up to its end; gradients (dq complete per piece, dk/dv summed over pieces) are the
     reference's. 52 tokens with L = 7: 7 chunks and a tail."""
-    monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: budget)
+    monkeypatch.setattr(grouped, "piece_rows", lambda seq: budget)
     assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
     size = -(-52 // -(-52 // budget))  # even pieces
     expected = [(min(size, end), end) for end in range(52, 0, -size)]
@@ -267,7 +266,7 @@ def test_kernel_backward_pieces_with_length_scaling(
         kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
     """Llama 4's log scaling on the successive and inter parts: dq carries each part's factor
     piece by piece."""
-    monkeypatch.setattr(dca_backward, "rows_per_call", lambda tokens: 13)
+    monkeypatch.setattr(grouped, "piece_rows", lambda seq: 13)
     seq, chunk, local = 45, 11, 3
     factors = part_factors([log_factor(p, 0.3, 6) for p in range(seq)], "succ_inter")
     check(DCAScaling("log", "succ_inter", attn_scale=0.3, floor_scale=6), factors, seq, chunk,

@@ -69,12 +69,12 @@ def test_chunked_interleaves_global_layers_without_rope(single_process) -> None:
 
 
 def test_dca_layers_skip_megatron_rope(single_process) -> None:
-    cfg = compose_config(["+attention=dca", "attention.dca_backward=kernel"])
+    cfg = compose_config(["+attention=dca", "attention.dca_backward=one_piece"])
     config = transformer_config(cfg.model, cfg.attention)
     assert config.no_rope_freq == [1] * cfg.model.num_layers
     model = build_gpt(config, 384, SEQ)
     assert all(isinstance(layer.self_attention.core_attention, DCACoreAttention)
-               and layer.self_attention.core_attention.backward == "kernel"
+               and layer.self_attention.core_attention.backward == "one_piece"
                for layer in model.decoder.layers)
 
 
@@ -83,7 +83,7 @@ def test_dca_layers_skip_megatron_rope(single_process) -> None:
      r"dca_chunk_size \(64\) must exceed dca_local_size \(64\)"),
     (["attention.dca_local_size=0"], "must be positive"),
     (["attention.dca_backward=fast"],
-     r"dca_backward must be one of auto \| kernel \| parts, got 'fast'"),
+     r"dca_backward must be one of auto \| one_piece \| parts, got 'fast'"),
 ])
 def test_dca_config_errors_are_early_and_clear(overrides, message) -> None:
     cfg = compose_config(["+attention=dca"] + overrides)

@@ -46,7 +46,7 @@ for _ in range(5):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        kernels = [(e.name, e.device_time_total) for e in prof.key_averages()
+        kernels = [(e.key, e.device_time_total) for e in prof.key_averages()
                    if e.device_time_total > 0 and e.self_device_time_total > 0]
         main = max(t for _, t in kernels)
         results[name].append((main / 1e3, sum(t for _, t in kernels) / 1e3))

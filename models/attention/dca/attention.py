@@ -78,7 +78,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
     their chunk's inter call, and each chunk merges right after it, so partials die early.
     Where DCA's FA4 kernels apply, its forward kernel takes all parts in one call (grouped.py).
     """
-    if plan.paths.forward:
+    if plan.paths.kernels:
         return grouped.forward(q, k, v, plan, scale)
     batch, seq, heads, _ = q.shape
     k_rot = plan.rotate_k(k)
@@ -144,9 +144,9 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `scaling`: optional length-dependent logit scaling (scaling.py; default none).
     `cuda_graphs`: replay the forward and backward as CUDA graphs captured per shape
     (graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
-    `backward`: under FA4, auto | kernel | parts (grouped.paths: where DCA's own backward
-    kernel runs, kernel trading transient memory above 16K tokens for speed; parts: the part
-    calls both ways, in place of DCA's forward kernel too).
+    `backward`: under FA4, auto | one_piece | parts (grouped.paths: DCA's own kernels where they
+    apply, the backward in pieces of query rows, bounding its memory, or in one piece, a few
+    percent faster; parts: the part calls both ways).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)

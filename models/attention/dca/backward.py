@@ -76,10 +76,11 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]. Where the
-    plan chose DCA's own backward kernel (grouped.paths): in one piece, or in pieces of at most
-    rows_per_call query rows (grouped.backward)."""
-    if plan.paths.backward:
-        rows = q.shape[1] if plan.paths.one_piece else rows_per_call(q.shape[0] * q.shape[1])
+    plan chose DCA's own kernels (grouped.paths): its backward kernel in one piece, or in
+    pieces of at most grouped.piece_rows query rows (grouped.backward)."""
+    if plan.paths.kernels:
+        seq = q.shape[1]
+        rows = seq if plan.paths.one_piece else grouped.piece_rows(seq)
         return grouped.backward(plan, scale, q, k, v, out, lse, dout, rows)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])

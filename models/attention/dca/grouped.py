@@ -9,16 +9,17 @@ Forward (fa4_forward.py): one call; the query tile is reloaded where its key loo
 the next part, and the online softmax runs on across, so out and lse leave it merged.
 
 Backward (fa4_backward.py): with the merged out and lse (the global-LSE recipe, as in
-backward.py); dK/dV leave it summed over the parts, dq per part, rotated back and summed once.
+backward.py); dK/dV leave it summed over the parts, dQ per part in float32 accumulators,
+rotated back and summed into dq in one pass (dq_parts.py).
 
 Where the kernels apply (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no packed documents,
 the chunk length L and the sequence multiples of BLOCK (each tile then lies in one query chunk
 and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96 and 128.
 The forward holds every part's rotated q (three times q's size) for its one call. The backward
-holds them and the per-part dq (in float32 too), so it runs in one piece up to MAX_TOKENS
-tokens and, above, under `dca_backward=kernel`, in pieces of query rows (the part calls' row
-budget): faster than the part calls, with more transient memory (docs/benchmarks.md); `auto`
-takes the part calls there.
+holds, per query row, its three rotated copies and three float32 dQ accumulators (nine times
+the row's size in bf16), so under `dca_backward=auto` it runs in pieces of about a fifth of the
+rows, which keeps the attention's peak memory within ~1.15x of causal attention's;
+`one_piece` takes all rows at once (a few percent faster, ~2.3x the memory; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
-# Up to this many tokens (batch x sequence) the backward kernel runs in one piece; above, in
-# pieces under dca_backward=kernel (else the part calls: bounded memory). Measured:
-# docs/benchmarks.md, "DCA in one FA4 call each way" and "DCA's own backward kernel".
-MAX_TOKENS = 16384
-BACKWARDS = ("auto", "kernel", "parts")  # the dca_backward setting (`paths`)
-# The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py). At 72 the
-# backward kernel's gradients were wrong (cause not yet found; docs/benchmarks.md); the rest
-# take the part calls.
+# The backward kernel's pieces under dca_backward=auto: a PIECES-th of the sequence's rows
+# each, never fewer than MIN_PIECE_ROWS (smaller pieces pay launches and tail waves for no
+# memory worth saving). Measured: docs/benchmarks.md, "DCA's backward in place".
+PIECES = 5
+MIN_PIECE_ROWS = 4096
+BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
+# The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py); at 72
+# FA4's SM90 backward machinery gave wrong gradients (docs/benchmarks.md). The rest take the
+# part calls.
 HEAD_DIMS = (64, 96, 128)
 
 
@@ -54,20 +56,23 @@ def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
 
 
 def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> KernelPaths:
-    """Where DCA's kernels run on q under the `dca_backward` setting: auto (the forward kernel
-    wherever it applies, the backward kernel where it takes one piece, up to MAX_TOKENS tokens;
-    the bounded part calls above), kernel (both kernels wherever they apply, the backward in
-    pieces above MAX_TOKENS) or parts (the part calls both ways)."""
+    """Where DCA runs on q under the `dca_backward` setting: its kernels wherever they apply
+    (auto: the backward in pieces, `piece_rows`; one_piece: in one), else, or under parts, the
+    part calls."""
     check_backward(backward)
     if backward == "parts" or not kernel_applies(q, length, packed):
         return KernelPaths()
-    one_piece = q.shape[0] * q.shape[1] <= MAX_TOKENS
-    return KernelPaths(True, backward == "kernel" or one_piece, one_piece)
+    return KernelPaths(kernels=True, one_piece=backward == "one_piece")
 
 
 def check_backward(backward: str) -> None:
     if backward not in BACKWARDS:
         raise ValueError(f"dca_backward must be one of {' | '.join(BACKWARDS)}, got {backward!r}")
+
+
+def piece_rows(seq: int) -> int:
+    """The most query rows of one backward kernel piece under dca_backward=auto."""
+    return max(seq // PIECES, MIN_PIECE_ROWS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,

@@ -18,11 +18,10 @@ from models.rope_scaling import RopeScaling
 
 
 class KernelPaths(NamedTuple):
-    """Where DCA's own FA4 kernels (fa4_forward.py, fa4_backward.py) run for one call, chosen
-    by grouped.paths: each pass through its kernel rather than the part calls, and the backward
-    kernel over all query rows at once (else in pieces of query rows)."""
-    forward: bool = False
-    backward: bool = False
+    """How one DCA call runs, chosen by grouped.paths: through DCA's own FA4 kernels
+    (fa4_forward.py, fa4_backward.py) or the part calls, and the backward kernel over all
+    query rows at once or in pieces of query rows."""
+    kernels: bool = False
     one_piece: bool = False
 
 
