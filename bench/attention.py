@@ -373,7 +373,7 @@ def main() -> None:
         print("\nkernel calls refused (fell back to the next backend):",
               sorted(map(str, lse_attention.REFUSED)))
     if args.profile:
-        chosen = next(v for v in variants if v.name.startswith(args.profile))
+        chosen = next(v for v in variants if v.name.split("(")[0] == args.profile)
         print(f"\n{chosen.name} at {args.profile_seq}, {args.heads}/{args.profile_kv_heads} "
               "heads, fwd+bwd:\n" + profile(chosen, args.profile_seq, args.heads,
                                             args.profile_kv_heads, args.head_dim, args.trace))

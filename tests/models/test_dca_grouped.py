@@ -91,8 +91,8 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
 
 
 def test_auto_backward_pieces_are_a_fifth_of_the_rows() -> None:
-    assert grouped.piece_rows(131072) == 131072 // 5
-    assert grouped.piece_rows(32768) == 32768 // 5
+    assert -(-131072 // grouped.piece_rows(131072)) == 5  # pieces
+    assert -(-32768 // grouped.piece_rows(32768)) == 5
     assert grouped.piece_rows(8192) == grouped.MIN_PIECE_ROWS
 
 

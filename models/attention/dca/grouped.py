@@ -72,7 +72,7 @@ def check_backward(backward: str) -> None:
 
 def piece_rows(seq: int) -> int:
     """The most query rows of one backward kernel piece under dca_backward=auto."""
-    return max(seq // PIECES, MIN_PIECE_ROWS)
+    return max(-(-seq // PIECES), MIN_PIECE_ROWS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
