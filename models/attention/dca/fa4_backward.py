@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import types
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
+from models.attention.dca import fa4_parts
 from models.attention.dca.dq_parts import DQParts
 
 _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128 rows)
@@ -121,25 +120,13 @@ def _kernel_class() -> type:
     from flash_attn.cute.named_barrier import NamedBarrierBwd
     from quack import copy_utils
 
-    class DCABackwardSm90(FlashAttentionBackwardSm90):
+    class DCABackwardSm90(fa4_parts.parts_mixin(), FlashAttentionBackwardSm90):
         """FA4's SM90 causal backward; Q and the dQ accumulator per block from its DCA part."""
 
         def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.deterministic
-            self.parts = parts
-            self.m_blocks_per_chunk = length // self.tile_m
-            self.n_blocks_per_chunk = length // self.tile_n
-
-        @cute.jit
-        def part_of(self, seqlen, m_block, n_block):
-            """The part query block m meets key block n in: 0 intra, 1 successive, 2 inter.
-            The queries are the last seqlen_q of the seqlen_k rows (causal's bottom-right
-            alignment), so query block m is block m + (seqlen_k - seqlen_q) / tile_m of all."""
-            m_first = (seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m
-            distance = ((m_first + m_block) // self.m_blocks_per_chunk
-                        - n_block // self.n_blocks_per_chunk)
-            return cutlass.min(distance, self.parts - 1)
+            self.set_parts(length, parts)
 
         @cute.jit
         def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
@@ -260,22 +247,14 @@ def _kernel_class() -> type:
     return DCABackwardSm90
 
 
-@functools.cache
-def _compile_cache():  # noqa: ANN202
-    """FA4's JIT cache (on disk across runs where FA4's is, as kernels.py sets it up), its
-    entries fingerprinted by FA4's sources and, through the key, by this file's."""
-    from flash_attn.cute.cache_utils import get_jit_cache
-    return get_jit_cache("dca_bwd")
-
-
-_SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+_SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
               parts: int, add_dkv: bool, tensors: tuple[torch.Tensor, ...], scale: float):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch); add_dkv: its dK/dV stores add to what is there."""
-    cache = _compile_cache()
+    cache = fa4_parts.compile_cache("dca_bwd")
     key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts, add_dkv)
     if key not in cache:
         import cutlass.cute as cute

@@ -19,10 +19,10 @@ imported on first use; `forward` is called only where grouped.kernel_applies.
 """
 
 import functools
-import hashlib
-from pathlib import Path
 
 import torch
+
+from models.attention.dca import fa4_parts
 
 _TILE = 128  # query and key tile: FA4's SM90 forward for head_dim <= 128, fixed here
 
@@ -69,25 +69,14 @@ def _kernel_class() -> type:
     from flash_attn.cute.tile_scheduler import SingleTileLPTScheduler, TileSchedulerArguments
     from quack import copy_utils, layout_utils, sm90_utils
 
-    class DCAForwardSm90(FlashAttentionForwardSm90):
+    class DCAForwardSm90(fa4_parts.parts_mixin(), FlashAttentionForwardSm90):
         """FA4's SM90 causal forward; the query tile per key block from its DCA part."""
 
         def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.pack_gqa
             assert self.intra_wg_overlap and self.tile_m == self.tile_n == _TILE
-            self.parts = parts
-            self.blocks_per_chunk = length // _TILE
-
-        @cute.jit
-        def part_of(self, seqlen, m_block, n_block):
-            """The part query block m meets key block n in: 0 intra, 1 successive, 2 inter.
-            The queries are the last seqlen_q of the seqlen_k rows (causal's bottom-right
-            alignment), so query block m is block m + (seqlen_k - seqlen_q) / tile of all."""
-            m_first = (seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m
-            distance = ((m_first + m_block) // self.blocks_per_chunk
-                        - n_block // self.blocks_per_chunk)
-            return cutlass.min(distance, self.parts - 1)
+            self.set_parts(length, parts)
 
         # annotations evaluated here (no postponed evaluation in this file): the DSL reads them
         @cute.jit
@@ -313,13 +302,12 @@ def _kernel_class() -> type:
                 # the other blocks, part by part (part_of's rule as ranges of key blocks; a
                 # loop each, so the mainloop stays free of branches): each block's Q K^T and
                 # softmax, the previous block's P V
-                chunk = ((seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m + m_block
-                         ) // self.blocks_per_chunk
+                chunk = self.query_chunk(seqlen, m_block)
                 n_block = n_block_max - 2  # the next block
                 for part in cutlass.range_constexpr(self.parts):
                     n_block_low = n_block_min  # the part's lowest block: inter's is 0
                     if const_expr(part < self.parts - 1):
-                        n_block_low = cutlass.max((chunk - part) * self.blocks_per_chunk,
+                        n_block_low = cutlass.max((chunk - part) * self.n_blocks_per_chunk,
                                                   n_block_min)
                     blocks = cutlass.max(n_block + 1 - n_block_low, 0)
                     if const_expr(part > 0):
@@ -350,22 +338,14 @@ def _kernel_class() -> type:
     return DCAForwardSm90
 
 
-@functools.cache
-def _compile_cache():  # noqa: ANN202
-    """FA4's JIT cache (on disk across runs where FA4's is, as kernels.py sets it up), its
-    entries fingerprinted by FA4's sources and, through the key, by this file's."""
-    from flash_attn.cute.cache_utils import get_jit_cache
-    return get_jit_cache("dca_fwd")
-
-
-_SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+_SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
               parts: int, tensors: tuple[torch.Tensor, ...]):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch)."""
-    cache = _compile_cache()
+    cache = fa4_parts.compile_cache("dca_fwd")
     key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
     if key not in cache:
         import cutlass.cute as cute
