@@ -8,6 +8,8 @@
                   the backward in pieces
     fa4_forward.py   DCA's forward kernel: FA4's SM90 causal forward, Q reloaded per part
     fa4_backward.py  DCA's backward kernel: FA4's SM90 causal backward, Q chosen per part
+    fa4_parts.py  what the two kernels share: the part rule, the compile cache
+    dq_parts.py   the parts' dQ accumulators rotated back and summed into dq in one pass
     graphs.py     forward and backward replayed as CUDA graphs (opt-in)
     scaling.py    length-dependent logit scaling (log, yarn)
     module.py     `DCACoreAttention`, the megatron core-attention module
