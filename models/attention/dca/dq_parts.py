@@ -59,8 +59,8 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
                 out: torch.Tensor) -> None:
     """out [b, n, h, d] = scale * sum_p factors[p] R(positions[p])^T dQ_p, in place.
 
-    positions: [parts, n] int32 rows of the [P, d/2] half tables (a unit last stride);
-    factors: [parts, n] logit factors, or None (all 1). out may be a view with a unit last
+    positions: [parts, n] int32 rows of the [P, d/2] half tables; factors: [parts, n] logit
+    factors, or None (all 1); both with a unit last stride. out may be a view with a unit last
     stride. Layout "fa4_sm90" needs n a multiple of 64 and d one of 64, 96, 128."""
     parts = positions.shape[0]
     batch, rows, heads, dim = out.shape

@@ -116,7 +116,6 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
         rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
                     None if plan.q_scale is None else plan.q_scale[:, span], scale, dq[:, span])
         del dq_parts  # before the next piece's kernel allocates its own
-    del k_rot
     for b in range(batch):
         rotate_transpose_sum([dk[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
     return dq, dk, dv
