@@ -2,6 +2,7 @@
 
     python -m bench.attention --seqs 8192,32768,131072 --out results.json
     python -m bench.attention --variants sdpa_cudnn,fa4,dca,dca_fa4 --seqs 32768   # FA4 rows
+    python -m bench.attention --variants fa4,dca_fa4 --seqs 32768 --paired fa4    # ratios
 
 Variants run under the attention kernel they name (models/attention/kernels.py): the plain
 names under cudnn (today's default off SM90 or without FlashAttention-4), `*_fa4` under fa4
@@ -243,6 +244,38 @@ def _measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
             "peak_complete": variant.peak_complete, "kernel": variant.kernel}
 
 
+def alternating_ratios(base: Callable[[], object], other: Callable[[], object], warmup: int,
+                       repeats: int, back_to_back: int = 1) -> list[float]:
+    """`base`'s time over `other`'s, sample by sample, the two timed alternately (base, other,
+    base, other, ...), so each pair meets the same clocks and power state, which drift between
+    separate runs by more than the ratios a goal asks about."""
+    for fn in (base, other):
+        time_ms(fn, warmup, 0)
+    samples = [[time_ms(fn, 0, 1, back_to_back)[0] for fn in (base, other)]
+               for _ in range(repeats)]
+    return [t_base / t_other for t_base, t_other in samples]
+
+
+def paired_rows(variants: list[Variant], base: Variant, seq: int, heads: int, kv_heads: int,
+                dim: int, args: argparse.Namespace) -> list[dict[str, object]]:
+    """--paired: every other variant's fwd+bwd timed alternately with `base`'s, on one set of
+    inputs (alternating_ratios)."""
+    q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn_like(q)
+
+    def step(variant: Variant) -> Callable[[], object]:
+        def run() -> object:
+            with kernels.using(variant.kernel):
+                return torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+        return run
+
+    return [{"seq": seq, "kv_heads": kv_heads, "variant": variant.name, "base": base.name,
+             "ratios": alternating_ratios(step(base), step(variant), args.warmup, args.repeats,
+                                          args.back_to_back)}
+            for variant in variants if variant is not base]
+
+
 def markdown(rows: list[dict[str, object]]) -> str:
     header = ("| seq | heads q/kv | variant | kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
               "fwd+bwd TFLOP/s | vs cudnn (fwd / fwd+bwd) | vs fa4 (fwd+bwd) | peak MiB |")
@@ -342,6 +375,8 @@ def main() -> None:
     parser.add_argument("--profile-seq", type=int, default=32768)
     parser.add_argument("--profile-kv-heads", type=int, default=16)
     parser.add_argument("--trace", default="", help="write the profile's Chrome trace here")
+    parser.add_argument("--paired", default="", help="variant name: also time every other "
+                        "variant alternating with it, and print the per-sample ratios")
     parser.add_argument("--out", default="", help="write all rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -354,6 +389,7 @@ def main() -> None:
         else:
             variants.append(variant)
     rows: list[dict[str, object]] = []
+    paired: list[dict[str, object]] = []  # --paired's per-sample ratios
     for seq in (int(s) for s in args.seqs.split(",")):
         for kv in (int(h) for h in args.kv_heads.split(",")):
             for variant in variants:
@@ -365,10 +401,24 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if args.paired:
+                base = next(v for v in variants if v.name.split("(")[0] == args.paired)
+                for row in paired_rows(variants, base, seq, args.heads, kv, args.head_dim,
+                                       args):
+                    paired.append(row)
+                    print(json.dumps(row), flush=True)
     table = markdown(rows)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"cuDNN {torch.backends.cudnn.version()}, {args.back_to_back} call(s) per timed "
           f"sample\n\n{table}")
+    if paired:
+        print(f"\nfwd+bwd time of {paired[0]['base']} over each variant's, {args.repeats} "
+              "alternating pairs (--paired):\n\n| seq | heads q/kv | variant | median "
+              "(min - max) |\n|---|---|---|---|")
+        for p in paired:
+            r = p["ratios"]
+            print(f"| {p['seq']} | {args.heads}/{p['kv_heads']} | {p['variant']} | "
+                  f"{statistics.median(r):.3f}x ({min(r):.3f} - {max(r):.3f}) |")
     if lse_attention.REFUSED:
         print("\nkernel calls refused (fell back to the next backend):",
               sorted(map(str, lse_attention.REFUSED)))
@@ -380,7 +430,8 @@ def main() -> None:
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cudnn": torch.backends.cudnn.version(), "argv": sys.argv}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "paired": paired},
+                                             indent=1))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,26 @@ def test_times_are_per_call_and_exclude_warm_up(back_to_back: int,
     assert clock.calls == 1 + 5 * back_to_back
 
 
+def test_alternating_ratios_pair_each_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--paired: base and other timed in turn, warm-ups first, one ratio per pair; the clock
+    slows down over the run (as a GPU reaching its power cap does) and each pair still gives
+    the ratio of its own two calls."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
+    order: list[str] = []
+
+    def call(name: str, ms: float):  # noqa: ANN202
+        def run() -> None:
+            order.append(name)
+            clock.now += ms * (1 + 0.1 * len(order))  # everything slows as the run goes on
+        return run
+    ratios = attention.alternating_ratios(call("base", 2.0), call("other", 4.0), warmup=1,
+                                          repeats=3)
+    assert order == ["base", "other"] + ["base", "other"] * 3
+    expected = [2.0 * (1 + 0.1 * n) / (4.0 * (1 + 0.1 * (n + 1))) for n in (3, 5, 7)]
+    assert ratios == pytest.approx(expected)
+
+
 def test_gpu_timeline_counts_overlap_once_and_names_the_gaps() -> None:
     # Two overlapping kernels (0-10, 5-12), then a 30 us gap before "b", a 3 us gap before "c".
     line = attention.gpu_timeline([(42.0, 50.0, "b"), (0.0, 10.0, "a"), (5.0, 12.0, "a2"),
