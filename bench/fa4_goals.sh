@@ -10,7 +10,8 @@
 #   inplace DCA's kernels as the default (attention.dca_backward=auto: the backward kernel in
 #           pieces, dK/dV added in place, dQ rotated back in one pass) against one_piece and
 #           the part calls: 8K C = 2048 back to back; 32K and 128K with a profile of auto at
-#           32K; gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K
+#           32K and every variant's ratio to FA4 causal in alternating pairs (--paired);
+#           gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K
 #   (The stages `onecall`, `kernel` and `forward` of earlier sessions compared settings the
 #   in-place backward replaced (MAX_TOKENS, dca_backward=kernel); their figures in
 #   docs/benchmarks.md name their commits.)
@@ -49,7 +50,7 @@ for stage in "$@"; do
              { "${A[@]}" --seqs 8192 --back-to-back 20 --out "$OUT/b8k.json" \
                  --variants sdpa_cudnn,fa4,dca_small_fa4_parts,dca_small_fa4,dca_small_fa4_one_call
                "${A[@]}" --seqs 32768,131072 --out "$OUT/long.json" --profile dca_fa4 \
-                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4,dca_fa4_one_call
+                 --variants sdpa_cudnn,fa4,dca_fa4_parts,dca_fa4,dca_fa4_one_call --paired fa4
              } > "$OUT/bench.log" 2>&1
              "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
                --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
