@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from models.schema import AttentionConfig, ModelConfig
+from models.schema import AttentionConfig, ModelConfig, head_dim_of
 
 # architecture -> (model_type, q/k/v biases always on)
 ARCHITECTURES = {
@@ -195,7 +195,7 @@ def _rope_config(model: ModelConfig) -> dict[str, Any]:
     type. Our static NTK base (ntk, dynamic) is plain RoPE at a larger theta, written so."""
     kind, theta = model.rope_scaling_type, model.rope_theta
     if kind in ("ntk", "dynamic"):
-        d = model.kv_channels or model.hidden_size // model.num_attention_heads
+        d = head_dim_of(model)
         return {"rope_theta": theta * model.rope_scaling_factor ** (d / (d - 2))}
     if kind == "none":
         return {"rope_theta": theta}
@@ -222,7 +222,7 @@ def hf_config(model: ModelConfig, vocab_size: int, max_positions: int, dtype: st
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
-        "head_dim": model.kv_channels or model.hidden_size // model.num_attention_heads,
+        "head_dim": head_dim_of(model),
         "hidden_act": "silu",
         "max_position_embeddings": max_positions,
         "rms_norm_eps": model.layernorm_epsilon,

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from models.schema import ModelConfig
+from models.schema import ModelConfig, head_dim_of
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -41,7 +41,7 @@ class Shape:
     def of(cls, m: ModelConfig, gate: bool = False) -> Shape:
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads,
                    m.num_query_groups or m.num_attention_heads,
-                   m.kv_channels or m.hidden_size // m.num_attention_heads,
+                   head_dim_of(m),
                    m.ffn_hidden_size or 0, m.qkv_bias, not m.untie_embeddings, gate)
 
     @property

@@ -18,7 +18,7 @@ import yaml
 from omegaconf import DictConfig
 
 from models.options import BuildOptions
-from models.schema import ParallelConfig
+from models.schema import ParallelConfig, head_dim_of
 from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
 from trainer.config import CONF_DIR, build_options, command_line_overrides
 from trainer.errors import UserError
@@ -54,9 +54,7 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
     _check_data(cfg.data)
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
-    m = cfg.model
-    check_kernel(cfg.attention.kernel, cuda=device.type == "cuda",
-                 head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads)
+    check_kernel(cfg.attention.kernel, cuda=device.type == "cuda", head_dim=head_dim_of(cfg.model))
     if t.dca_cuda_graphs and cfg.attention.kind != "dca":
         raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
                         f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
@@ -134,10 +132,10 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
     if model.kv_channels is None and model.hidden_size % heads:
         raise UserError(f"model.hidden_size ({model.hidden_size}) must be divisible by "
                         f"model.num_attention_heads ({heads}), or set model.kv_channels")
-    head_dim = model.kv_channels or model.hidden_size // heads
-    if head_dim % 2:
-        raise UserError(f"the head dimension ({head_dim}) must be even: RoPE rotates pairs of "
-                        "channels; change model.hidden_size, num_attention_heads or kv_channels")
+    if head_dim_of(model) % 2:
+        raise UserError(f"the head dimension ({head_dim_of(model)}) must be even: RoPE rotates "
+                        "pairs of channels; change model.hidden_size, num_attention_heads or "
+                        "kv_channels")
     problems = tp_problems(model, parallel.tp)
     if problems:
         raise UserError("; ".join(problems) + ": change parallel.tp or the model")
