@@ -213,17 +213,28 @@ def measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
         return _measure(variant, seq, heads, kv_heads, dim, args)
 
 
-def _measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
-             args: argparse.Namespace) -> dict[str, object]:
+def inputs(seq: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v [1, s, h, d] (bf16 on the GPU, requiring grad) and dout like q."""
     q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for h in (heads, kv_heads, kv_heads))
-    dout = torch.randn_like(q)
+    return q, k, v, torch.randn_like(q)
+
+
+def fwd_bwd_step(variant: Variant, problem: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    """One forward+backward of `variant` on `problem` (`inputs`), under the active kernel."""
+    q, k, v, dout = problem
+    return lambda: torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+
+
+def _measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
+             args: argparse.Namespace) -> dict[str, object]:
+    problem = inputs(seq, heads, kv_heads, dim)
+    q, k, v, _ = problem
 
     def forward() -> object:
         return variant.fn(q, k, v)
 
-    def forward_backward() -> object:
-        return torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+    forward_backward = fwd_bwd_step(variant, problem)
 
     fwd_times = time_ms(forward, args.warmup, args.repeats, args.back_to_back)
     fwd_bwd_times = time_ms(forward_backward, args.warmup, args.repeats, args.back_to_back)
@@ -260,15 +271,15 @@ def paired_rows(variants: list[Variant], base: Variant, seq: int, heads: int, kv
                 dim: int, args: argparse.Namespace) -> list[dict[str, object]]:
     """--paired: every other variant's fwd+bwd timed alternately with `base`'s, on one set of
     inputs (alternating_ratios)."""
-    q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
-               for h in (heads, kv_heads, kv_heads))
-    dout = torch.randn_like(q)
+    problem = inputs(seq, heads, kv_heads, dim)
 
     def step(variant: Variant) -> Callable[[], object]:
-        def run() -> object:
+        run = fwd_bwd_step(variant, problem)
+
+        def under_its_kernel() -> object:
             with kernels.using(variant.kernel):
-                return torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
-        return run
+                return run()
+        return under_its_kernel
 
     return [{"seq": seq, "kv_heads": kv_heads, "variant": variant.name, "base": base.name,
              "ratios": alternating_ratios(step(base), step(variant), args.warmup, args.repeats,
@@ -329,16 +340,14 @@ def profile(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
             trace: str = "") -> str:
     """Top CUDA kernels and CPU ops of one forward+backward (where the time goes), after a
     line on the GPU's busy and idle time."""
-    q, k, v = (torch.randn(1, seq, h, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
-               for h in (heads, kv_heads, kv_heads))
-    dout = torch.randn_like(q)
+    step = fwd_bwd_step(variant, inputs(seq, heads, kv_heads, dim))
     with kernels.using(variant.kernel):
         for _ in range(2):
-            torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+            step()
         torch.cuda.synchronize()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
-            torch.autograd.grad(variant.fn(q, k, v), (q, k, v), dout)
+            step()
             torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
