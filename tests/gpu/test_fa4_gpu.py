@@ -238,7 +238,7 @@ def test_head_dims_fa4_leaves_run_on_cudnn(head_dim: int, fa4_counted: dict[str,
     assert fa4_counted == {"fwd": 0, "bwd": 0}
 
 
-@pytest.mark.parametrize("head_dim", grouped.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", dq_parts.FA4_SM90_HEAD_DIMS)
 def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
     """dq_parts.fa4_sm90_rows (the order of the kernel's dQ accumulator) against FA4's own
     postprocess: an accumulator holding every float's index, converted by FA4 to [b, s, h, d]
@@ -260,7 +260,7 @@ def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
     assert torch.equal(found.transpose(1, 2), dq_parts.fa4_sm90_rows(index, head_dim))
 
 
-@pytest.mark.parametrize("head_dim", grouped.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", dq_parts.FA4_SM90_HEAD_DIMS)
 @pytest.mark.parametrize("factors", [False, True])
 def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool) -> None:
     """dq_parts.rotate_back's Triton kernel against its torch path (float64 tables): three

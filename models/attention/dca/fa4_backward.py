@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from models.attention.dca import fa4_parts
-from models.attention.dca.dq_parts import DQParts
+from models.attention.dca.dq_parts import FA4_SM90_HEAD_DIMS, DQParts
 
 _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128 rows)
 
@@ -63,7 +63,8 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
                          f"key ({seq_k}) rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
     cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
     tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
-    if cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64 or head_dim not in (64, 96, 128):
+    if (cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64
+            or head_dim not in FA4_SM90_HEAD_DIMS):
         raise ValueError(f"head_dim {head_dim}: FA4's dQ accumulator is not in the layout "
                          "dq_parts.fa4_sm90_rows reads")
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
