@@ -86,7 +86,7 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
         cos_half.stride(0), factors.stride(0) if factors is not None else 0, out.stride(0),
         out.stride(1), out.stride(2), scale,
         PARTS=parts, DIM=dim, HALF=half, COL8=triton.next_power_of_2(half // 8),
-        FACTORS=factors is not None, num_warps=8,
+        FACTORS=factors is not None, num_warps=4,
     )
 
 
