@@ -78,19 +78,17 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
                  sin_half: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, s, h, d] to several position sets in one pass.
 
-    positions: [n, s] integer rows of the tables, -1 where a rotation's row is not wanted (left
-    unwritten); cos_half, sin_half: [P, d/2] (first half of `rope_cos_sin`'s output). Returns a
-    contiguous [n, b, s, h, d] tensor in x's dtype, so each rotation `out[i]` is itself
-    contiguous (the layout the chunk-batched kernels view for free).
+    positions: [n, s] integer rows of the tables; cos_half, sin_half: [P, d/2] (first half of
+    `rope_cos_sin`'s output). Returns a contiguous [n, b, s, h, d] tensor in x's dtype, so each
+    rotation `out[i]` is itself contiguous (the layout the chunk-batched kernels view for free).
     """
     n = positions.shape[0]
     b, s, h, d = x.shape
     out = torch.empty((n, b, s, h, d), dtype=x.dtype, device=x.device)
     if not use_triton(x):
         for i in range(n):
-            wanted = positions[i] >= 0
-            cos, sin = half_tables(cos_half, sin_half, positions[i, wanted])
-            out[i][:, wanted] = apply_rope(x[:, wanted], cos, sin)
+            cos, sin = half_tables(cos_half, sin_half, positions[i])
+            out[i] = apply_rope(x, cos, sin)
         return out
     pos = positions.to(torch.int32).contiguous()
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
@@ -193,18 +191,14 @@ if triton is not None:
         o_off = b * sob + tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
         tab_mask = tok_ok[:, None] & (dim < HALF)[None, :]
         for i in tl.static_range(NUM_OUT):
-            pos = tl.load(pos_ptr + i * spn + tok, mask=tok_ok, other=-1).to(tl.int64)
-            wanted = pos >= 0  # -1: a row this rotation leaves unwritten
+            pos = tl.load(pos_ptr + i * spn + tok, mask=tok_ok, other=0).to(tl.int64)
             t_off = pos[:, None] * stab + dim[None, :]
-            row_mask = tab_mask & wanted[:, None]
-            c = tl.load(cos_ptr + t_off, mask=row_mask, other=0.0)[:, None, :]  # [BS, 1, BD]
-            sn = tl.load(sin_ptr + t_off, mask=row_mask, other=0.0)[:, None, :]
+            c = tl.load(cos_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]  # [BS, 1, BD]
+            sn = tl.load(sin_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]
             y1 = x1 * c - x2 * sn
             y2 = x2 * c + x1 * sn
-            out_mask = mask & wanted[:, None, None]
-            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(out_ptr + i * son + o_off + HALF, y2.to(out_ptr.dtype.element_ty),
-                     mask=out_mask)
+            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + i * son + o_off + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _accumulate_transposed(acc1, acc2, g_ptr, sgs, sgh, pos_ptr, cos_ptr, sin_ptr, stab,

@@ -200,26 +200,6 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
-@pytest.mark.parametrize("scaled", ["succ_inter", "inter"])
-def test_dca_successive_rows_shared_with_inter(scaled: str, dca_path: str) -> None:
-    """L = 768, w = 256 over 5+ chunks: past each chunk's first 256 rows the kernels read the
-    successive part's query from the inter part's copy (one rotation, at C); with Llama 4's log
-    scaling on both parts still so, on inter alone not (their factors differ there)."""
-    seq, chunk, local = 4096, 1024, 256
-    f = [1 + 0.1 * math.log(math.floor((p + 1) / 512) + 1) for p in range(seq)]
-    factors = torch.tensor([[1.0, x if scaled == "succ_inter" else 1.0, x] for x in f],
-                           dtype=torch.float64)
-    plan_rows = grouped.successive_rows
-    rows_taken = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(grouped, "successive_rows",
-                      lambda plan: rows_taken.append(plan_rows(plan)) or rows_taken[-1])
-        _check(_dca_errors(*_inputs(seq, 8, 2), chunk, local, factors=factors,
-                           scaling=DCAScaling("log", scaled, attn_scale=0.1, floor_scale=512)))
-    assert set(rows_taken) == {256 if scaled == "succ_inter" else 768}
-
-
 @pytest.mark.parametrize("dca_path", ["pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
@@ -284,14 +264,11 @@ def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
 @pytest.mark.parametrize("factors", [False, True])
 def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool) -> None:
     """dq_parts.rotate_back's Triton kernel against its torch path (float64 tables): three
-    parts in FA4's layout, batch 2, into a view of dq's rows; the second part without rows
-    (-1, its values NaN) on a whole 64-row group and on part of another."""
+    parts in FA4's layout, batch 2, into a view of dq's rows."""
     torch.manual_seed(0)
     parts, batch, rows, heads, seq = 3, 2, 256, 4, 512
     data = torch.randn(parts * batch, heads, rows * head_dim, device="cuda")
     positions = torch.randint(0, 1000, (parts, seq), dtype=torch.int32, device="cuda")
-    positions[1, 128 + 64:128 + 160] = -1  # the piece's rows 64-159: group 1 and half of 2
-    data.view(parts, batch, heads, rows, head_dim)[1, :, :, 64:128] = torch.nan  # group 1
     inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float64)
                            / head_dim)
     angles = torch.arange(1001, device="cuda", dtype=torch.float64)[:, None] * inv_freq

@@ -28,21 +28,6 @@ def test_rotate_multi_matches_the_torch_path(dtype: torch.dtype) -> None:
     torch.testing.assert_close(ours.float().cpu(), ref, rtol=rtol, atol=1e-5)
 
 
-def test_rotate_multi_leaves_rows_at_position_minus_one_unwritten(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.manual_seed(0)
-    x = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
-    positions = torch.randint(0, 1025, (3, 300), device="cuda", dtype=torch.int32)
-    positions[1, 64:200] = -1
-    ref = rotate_multi(x.cpu().float(), positions.cpu(), *_tables(1025, 128, "cpu"))
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(torch.nan))
-    ours = rotate_multi(x, positions, *_tables(1025, 128, "cuda")).float().cpu()
-    wanted = (positions >= 0).cpu()[:, None, :, None, None].expand_as(ours)
-    torch.testing.assert_close(ours[wanted], ref[wanted], rtol=2 ** -8, atol=1e-5)
-    assert ours[~wanted].isnan().all() and (~wanted).any()
-
-
 @pytest.mark.parametrize("terms", [1, 2, 3])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_rotate_transpose_sum_matches_the_torch_path(terms: int, accumulate: bool) -> None:

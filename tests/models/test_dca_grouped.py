@@ -11,12 +11,11 @@ import torch
 
 from models.attention import kernels
 from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
-from models.attention.dca import plan as plan_module
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.dq_parts import DQParts, rotate_back
-from models.attention.dca.plan import DCAPlan, KernelPaths
+from models.attention.dca.plan import KernelPaths
 from models.attention.dca.scaling import DCAScaling
-from models.attention.rope import apply_rope, rope_cos_sin, rotate_multi
+from models.attention.rope import apply_rope, rope_cos_sin
 from tests.models.test_dca import assert_matches_reference
 from tests.models.test_dca_scaling import check, log_factor, part_factors
 
@@ -126,45 +125,22 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def dense_kernel_forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
-                         scale: float, length: int, successive_rows: int, out: torch.Tensor,
+                         scale: float, length: int, out: torch.Tensor,
                          lse: torch.Tensor) -> None:
     """fa4_forward.forward's contract in dense float64: queries are the last s_q of the s_k key
-    rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q (the
-    successive part with the inter part's past each chunk's first successive_rows rows); one
+    rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q; one
     softmax over all of them, out and lse written in place."""
     batch, seq_q, heads, _ = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts, group = q_rot.shape[0] // batch, heads // heads_kv
     k, vv = (x.repeat_interleave(group, 2) for x in (k_rot, v))  # [b, s_k, hq, d]
-    q_parts = _kernel_queries(q_rot.unflatten(0, (parts, batch)), seq_k, length,
-                              successive_rows)
+    q_parts = q_rot.unflatten(0, (parts, batch))
     scores = torch.full((batch, heads, seq_q, seq_k), -torch.inf, dtype=q_rot.dtype)
     for p, mask in enumerate(_part_masks(seq_q, seq_k, length)[:parts]):
         part_scores = torch.einsum("bqhd,bkhd->bhqk", q_parts[p], k) * scale
         scores = torch.where(mask, part_scores, scores)
     lse.copy_(torch.logsumexp(scores, -1))
     out.copy_(torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv))
-
-
-def _successive_shares(seq_q: int, seq_k: int, length: int, successive_rows: int,
-                       parts: int) -> torch.Tensor:
-    """[s_q] the query rows whose successive part the kernels take from the inter part's
-    copy: past each chunk's first successive_rows, with three parts."""
-    offset = torch.arange(seq_k - seq_q, seq_k) % length
-    return (offset >= successive_rows) & (parts == 3)
-
-
-def _kernel_queries(q_parts: torch.Tensor, seq_k: int, length: int,
-                    successive_rows: int) -> torch.Tensor:
-    """[p, b, s_q, h, d] the queries each part meets its keys with, as the kernels read them:
-    the successive part's shared rows from the inter part's copy (its own copy's rows there
-    are never read: rotate_multi leaves them unwritten)."""
-    shared = _successive_shares(q_parts.shape[2], seq_k, length, successive_rows,
-                                q_parts.shape[0])
-    q_parts = q_parts.clone()
-    if shared.any():
-        q_parts[1][:, shared] = q_parts[2][:, shared]
-    return q_parts
 
 
 def _part_masks(seq_q: int, seq_k: int, length: int) -> list[torch.Tensor]:
@@ -178,21 +154,19 @@ def _part_masks(seq_q: int, seq_k: int, length: int) -> list[torch.Tensor]:
 
 def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, scale: float,
-                          length: int, successive_rows: int, dk_out: torch.Tensor,
-                          dv_out: torch.Tensor, accumulate: bool) -> DQParts:
+                          length: int, dk_out: torch.Tensor, dv_out: torch.Tensor,
+                          accumulate: bool) -> DQParts:
     """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
-    key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q
-    (the successive part with the inter part's past each chunk's first successive_rows rows,
-    its dQ added to the inter part's there and its own left unwritten: NaN); P from the merged
-    lse, dS from the merged out (the global-LSE recipe). dK and dV are written to (or added
-    to) dk_out, dv_out; each part's dQ is returned unscaled, in rows."""
+    key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q;
+    P from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are
+    written to (or added to) dk_out, dv_out; each part's dQ is returned unscaled, in a layout
+    of tiles of one row (`tile` the identity)."""
     batch, seq_q, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts, group = q_rot.shape[0] // batch, heads // heads_kv
     k, vv = (x.repeat_interleave(group, 2) for x in (k_rot, v))  # [b, s_k, hq, d]
     masks = _part_masks(seq_q, seq_k, length)
-    q_parts = _kernel_queries(q_rot.unflatten(0, (parts, batch)), seq_k, length,
-                              successive_rows)
+    q_parts = q_rot.unflatten(0, (parts, batch))
     delta = (out * dout).sum(-1).transpose(1, 2)[..., None]  # [b, hq, s_q, 1]
     dq, dk, dv = torch.zeros_like(q_parts), torch.zeros_like(k), torch.zeros_like(vv)
     for p in range(parts):
@@ -205,10 +179,6 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
     for grad, total in ((dk, dk_out), (dv, dv_out)):
         grad = grad.unflatten(2, (heads_kv, group)).sum(3)
         total.copy_(total + grad if accumulate else grad)
-    shared = _successive_shares(seq_q, seq_k, length, successive_rows, parts)
-    if shared.any():
-        dq[2][:, shared] += dq[1][:, shared]
-        dq[1][:, shared] = torch.nan
     data = dq.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, seq_q * head_dim)
     return DQParts(data, "rows")
 
@@ -268,13 +238,8 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
     def recorded(q_rot, k_rot, *args):  # noqa: ANN001, ANN002, ANN202
         calls.append((q_rot.shape[1], k_rot.shape[1]))
         return dense_kernel_backward(q_rot, k_rot, *args)
-    def unwritten_as_nan(x, positions, cos, sin):  # noqa: ANN001, ANN202
-        out = rotate_multi(x, positions, cos, sin)
-        out.masked_fill_((positions < 0)[:, None, :, None, None], torch.nan)  # if read: fails
-        return out
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
     monkeypatch.setattr(grouped, "BLOCK", 1)
-    monkeypatch.setattr(plan_module, "rotate_multi", unwritten_as_nan)
     monkeypatch.setattr(fa4_backward, "backward", recorded)
     monkeypatch.setattr(fa4_forward, "forward", dense_kernel_forward)
     return calls
@@ -321,54 +286,3 @@ def test_kernel_forward_matches_the_reference(
         q_rot.shape[0]) or dense_kernel_forward(q_rot, *args))
     assert_matches_reference(batch, seq, hq, hk, 8, chunk_size=10, local_size=3)
     assert calls == [batch * min(3, -(-seq // 7))]  # one call, every part
-
-
-@pytest.mark.parametrize(("parts", "successive_rows"), [(3, 128), (3, 256), (2, 128)])
-def test_dq_accumulators_are_zeroed_where_the_kernel_adds(
-        parts: int, successive_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fa4_backward's float32 dQ accumulators for the last 640 of 1024 rows (L = 256): zero
-    on every row of intra and inter, and on the successive part's rows among each chunk's
-    first successive_rows (all, where it shares nothing); the rest left as allocated."""
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(torch.nan))
-    batch, heads, seq, seq_k, dim, length = 2, 2, 640, 1024, 8, 256
-    accum = fa4_backward._zeroed_accumulators(parts, batch, heads, seq, seq_k, dim, length,
-                                              successive_rows, torch.device("cpu"))
-    groups = accum.view(parts, batch, heads, seq // 64, 64 * dim)  # 64-row groups, contiguous
-    first_rows = torch.arange(seq_k - seq, seq_k, 64)  # each group's first row among all
-    own = (first_rows % length < successive_rows) | (parts < 3)
-    for part in range(parts):
-        zeroed = groups[part].eq(0).all(-1)  # [b, h, groups]
-        expected = own if part == 1 else torch.ones_like(own)
-        assert torch.equal(zeroed, expected.expand_as(zeroed)), part
-        assert groups[part][:, :, ~expected].isnan().all()
-
-
-@pytest.mark.parametrize(("seq", "chunk", "local", "scaled", "expected"), [
-    (4096, 1024, 128, None, 128),  # L = 896 > w: from r = w on, successive sits at C too
-    (4096, 1024, 200, None, 256),  # rounded up to the kernels' tile
-    (4096, 2048, 1024, None, 1024),  # L = w: inter at 2L - 1 < C, never where successive is
-    (1792, 1024, 128, None, 896),  # two chunks: no inter part
-    (4096, 1024, 128, "succ_inter", 128),  # one logit factor on both
-    (4096, 1024, 128, "inter", 896),  # successive unscaled, inter scaled
-])
-def test_successive_shares_inter_rows_where_both_are_one_rotation(
-        seq: int, chunk: int, local: int, scaled: str | None, expected: int) -> None:
-    """grouped.successive_rows against the positions and factors themselves: past each chunk's
-    first `expected` rows the successive part's position and factor are the inter part's."""
-    q = torch.zeros(1, seq, 2, 64)
-    scaling = DCAScaling() if scaled is None else DCAScaling("log", scaled, floor_scale=512)
-    plan = DCAPlan(q, chunk, local, 10000.0, 1.0, None, scaling, None, KernelPaths(True))
-    assert grouped.successive_rows(plan) == expected
-    length = chunk - local
-    if plan.num_parts < 3:
-        return
-    shared = torch.arange(seq) % length >= expected
-    factors = torch.ones(3, seq) if plan.q_scale is None else plan.q_scale.float()
-    assert torch.equal(plan.positions[1][shared], plan.positions[2][shared])
-    assert torch.equal(factors[1][shared], factors[2][shared])
-    own = (plan.positions[1] != plan.positions[2]) | (factors[1] != factors[2])
-    assert own[~shared & (torch.arange(seq) >= length)].any()  # the own rows: some needed
-    positions = grouped.kernel_positions(plan)
-    assert torch.equal(positions[1] == -1, shared)
-    assert torch.equal(positions[[0, 2]], plan.positions[[0, 2]])

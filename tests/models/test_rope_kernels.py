@@ -25,22 +25,6 @@ def test_rotate_multi_is_the_rotation_at_each_position_set() -> None:
         assert torch.allclose(out[i], rope_rotate(x, positions[i].long()), atol=1e-12)
 
 
-def test_rotate_multi_leaves_rows_at_position_minus_one_unwritten(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 9, 3, 8, generator=gen, dtype=torch.float64)
-    positions = torch.randint(0, 16, (2, 9), generator=gen, dtype=torch.int32)
-    positions[1, 3:7] = -1
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(torch.nan))
-    out = rotate_multi(x, positions, *_tables(16, 8))
-    assert torch.allclose(out[0], rope_rotate(x, positions[0].long()), atol=1e-12)
-    wanted = positions[1] >= 0
-    assert torch.allclose(out[1][:, wanted], rope_rotate(x, positions[1].long())[:, wanted],
-                          atol=1e-12)
-    assert out[1][:, ~wanted].isnan().all()
-
-
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_rotate_transpose_sum_is_the_gradient_of_the_rotations(accumulate: bool) -> None:
     """sum_i R(p_i)^T g_i is the vjp of x -> (R(p_i) x)_i (autograd through the reference),

@@ -40,18 +40,14 @@ _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128
 
 
 def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int,
-             successive_rows: int, dk: torch.Tensor, dv: torch.Tensor,
-             accumulate: bool) -> DQParts:
+             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int, dk: torch.Tensor,
+             dv: torch.Tensor, accumulate: bool) -> DQParts:
     """The per-part dQ of the rotated queries (float32 accumulators, DQParts), for queries
     that are the last s_q of the s_k key rows (s_q = s_k: all of them); dk (of k_rot) and dv
     [b, s_k, hk, d] written in place, or added to (`accumulate`).
 
     q_rot: [p * b, s_q, hq, d] part-major; k_rot, v: [b, s_k, hk, d]; out, dout: merged [b, s_q,
-    hq, d]; lse: merged [b, hq, s_q] float32; length: the chunk length L; successive_rows: with
-    three parts, the successive part reads its own copy (and adds to its own dQ) only on each
-    chunk's first successive_rows rows, the inter part's on the rest (grouped.successive_rows;
-    L: on all), its dQ on those rows left unwritten. L, successive_rows, s_q and s_k must be
+    hq, d]; lse: merged [b, hq, s_q] float32; length: the chunk length L. L, s_q and s_k must be
     multiples of 128. With s_q < s_k, dq is complete (the queries' keys all lie in the first s_k
     rows) and dk, dv are these queries' share. dk and dv may be views (a unit last stride):
     without GQA the kernel stores into them, or adds (a bf16 TMA reduce-add, one rounding per
@@ -62,11 +58,9 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     batch, seq, heads, head_dim = out.shape
     seq_k, heads_kv, head_dim_v = v.shape[1], v.shape[2], v.shape[3]
     parts = q_rot.shape[0] // batch
-    if (length % _ROW_MULTIPLE or successive_rows % _ROW_MULTIPLE or seq % _ROW_MULTIPLE
-            or seq_k % _ROW_MULTIPLE or seq > seq_k):
-        raise ValueError(f"the DCA backward kernel needs L ({length}), the successive part's "
-                         f"rows ({successive_rows}) and the query ({seq}) and key ({seq_k}) "
-                         f"rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
+    if length % _ROW_MULTIPLE or seq % _ROW_MULTIPLE or seq_k % _ROW_MULTIPLE or seq > seq_k:
+        raise ValueError(f"the DCA backward kernel needs L ({length}) and the query ({seq}) and "
+                         f"key ({seq_k}) rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
     cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
     tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
     if (cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64
@@ -84,8 +78,8 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
 
     # zeroed before the preprocess: the main kernel (launched with PDL) may start while the
     # kernel before it runs, and waits for it only before reading LSE and dPsum
-    dq_accum = _zeroed_accumulators(parts, batch, heads, seq, seq_k, dim_acc, length,
-                                    successive_rows, device)
+    dq_accum = torch.zeros(parts * batch, heads, seq * dim_acc, dtype=torch.float32,
+                           device=device)
     dpsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     lse_log2 = torch.empty_like(dpsum)
     fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None, None, None, None, dtype,
@@ -99,7 +93,7 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     else:
         dk_out, dv_out = dk, dv
     kernel = _compiled(dtype, head_dim, head_dim_v, heads // heads_kv, length, parts,
-                       successive_rows, accumulate and not gqa,
+                       accumulate and not gqa,
                        (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out), scale)
     kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_out,
            dv_out, scale, None, None, None, None, None, None, None, None, None,
@@ -118,27 +112,6 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     return DQParts(dq_accum, "fa4_sm90")
 
 
-def _zeroed_accumulators(parts: int, batch: int, heads: int, seq: int, seq_k: int, dim: int,
-                         length: int, successive_rows: int, device: torch.device,
-                         ) -> torch.Tensor:
-    """The parts' float32 dQ accumulators [p * b, h, s_q * dim] for queries that are the last
-    s_q of s_k rows, zeroed where the kernel adds: every row, but the successive part's only
-    on each chunk's first successive_rows rows (with three parts). A row's values are
-    contiguous in whole 64-row groups, so row ranges are flat ranges."""
-    accum = torch.empty(parts * batch, heads, seq * dim, dtype=torch.float32, device=device)
-    if parts < 3 or successive_rows >= length:
-        return accum.zero_()
-    by_part = accum.view(parts, batch, heads, seq * dim)
-    by_part[0].zero_()
-    by_part[2].zero_()
-    first = seq_k - seq  # the queries' first row among all
-    for chunk_start in range(first - first % length, seq_k, length):
-        start, end = max(chunk_start, first), min(chunk_start + successive_rows, seq_k)
-        if start < end:
-            by_part[1, :, :, (start - first) * dim:(end - first) * dim].zero_()
-    return accum
-
-
 @functools.cache
 def _kernel_class() -> type:
     """DCABackwardSm90, defined on first use (it subclasses FA4's kernel)."""
@@ -151,11 +124,10 @@ def _kernel_class() -> type:
     class DCABackwardSm90(fa4_parts.parts_mixin(), FlashAttentionBackwardSm90):
         """FA4's SM90 causal backward; Q and the dQ accumulator per block from its DCA part."""
 
-        def __init__(self, *args, length: int, parts: int, successive_rows: int,
-                     **kwargs) -> None:
+        def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.deterministic
-            self.set_parts(length, parts, successive_rows)
+            self.set_parts(length, parts)
 
         @cute.jit
         def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
@@ -201,11 +173,9 @@ def _kernel_class() -> type:
                     load_dPsum = copy_utils.tma_producer_copy_fn(load_dPsum, pipeline_dO)
                     m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                     for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                        source = self.source_of(seqlen, m_block,
-                                                self.part_of(seqlen, m_block, n_block))
-                        gQ = cute.local_tile(
-                            mQ[None, None, head_idx, source * batches + batch_idx],
-                            (self.tile_m, self.tile_hdim), (None, 0))
+                        part = self.part_of(seqlen, m_block, n_block)
+                        gQ = cute.local_tile(mQ[None, None, head_idx, part * batches + batch_idx],
+                                             (self.tile_m, self.tile_hdim), (None, 0))
                         load_Q, _, _ = copy_utils.tma_get_copy_fn(
                             tma_atom_Q, 0, cute.make_layout(1), gQ, sQ)
                         load_Q = copy_utils.tma_producer_copy_fn(load_Q, pipeline_Q)
@@ -247,11 +217,10 @@ def _kernel_class() -> type:
                 seqlen = SeqlenInfoCls(batch_idx)
                 m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                 for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                    source = self.source_of(seqlen, m_block,
-                                            self.part_of(seqlen, m_block, n_block))
+                    part = self.part_of(seqlen, m_block, n_block)
                     # ((M * K / num_wg_dQ, num_wg_dQ), num_m_blocks)
                     gdQaccum = cute.local_tile(
-                        mdQaccum[None, head_idx, source * batches + batch_idx],
+                        mdQaccum[None, head_idx, part * batches + batch_idx],
                         (cute.make_layout((self.tile_m * self.tile_hdim // self.num_wg_dQ,
                                            self.num_wg_dQ)),),
                         (None,))
@@ -283,13 +252,11 @@ _SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
-              parts: int, successive_rows: int, add_dkv: bool,
-              tensors: tuple[torch.Tensor, ...], scale: float):
+              parts: int, add_dkv: bool, tensors: tuple[torch.Tensor, ...], scale: float):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch); add_dkv: its dK/dV stores add to what is there."""
     cache = fa4_parts.compile_cache("dca_bwd")
-    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts,
-           successive_rows, add_dkv)
+    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts, add_dkv)
     if key not in cache:
         import cutlass.cute as cute
         from flash_attn.cute import flash_bwd_sm90
@@ -304,7 +271,7 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
             AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
             V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
-            length=length, parts=parts, successive_rows=successive_rows)
+            length=length, parts=parts)
         cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
         with _stores_add(flash_bwd_sm90) if add_dkv else contextlib.nullcontext():
             cache[key] = cute.compile(

@@ -28,31 +28,26 @@ _TILE = 128  # query and key tile: FA4's SM90 forward for head_dim <= 128, fixed
 
 
 def forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, scale: float,
-            length: int, successive_rows: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+            length: int, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes DCA's output into out [b, s_q, hq, d] and its LSE into lse [b, hq, s_q] (float32;
     both may be views of larger tensors), for queries that are the last s_q of the s_k key rows.
 
     q_rot: [p * b, s_q, hq, d] part-major, each part's rotated queries; k_rot, v: [b, s_k, hk,
-    d]; length: the chunk length L; successive_rows: with three parts, the successive part
-    reads its own copy only on each chunk's first successive_rows rows, the inter part's on the
-    rest (grouped.successive_rows; L: on all). L, successive_rows, s_q and s_k must be
-    multiples of 128.
+    d]; length: the chunk length L. L, s_q and s_k must be multiples of 128.
     """
     from flash_attn.cute import interface as fa  # with FA4 only
 
     batch, seq, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts = q_rot.shape[0] // batch
-    if (length % _TILE or successive_rows % _TILE or seq % _TILE or seq_k % _TILE
-            or seq > seq_k or head_dim > 128):
-        raise ValueError(f"the DCA forward kernel needs L ({length}), the successive part's "
-                         f"rows ({successive_rows}) and the query ({seq}) and key ({seq_k}) "
-                         f"rows to be multiples of {_TILE}, queries <= keys, head_dim <= 128 "
-                         f"(got {head_dim})")
+    if length % _TILE or seq % _TILE or seq_k % _TILE or seq > seq_k or head_dim > 128:
+        raise ValueError(f"the DCA forward kernel needs L ({length}) and the query ({seq}) and "
+                         f"key ({seq_k}) rows to be multiples of {_TILE}, queries <= keys, "
+                         f"head_dim <= 128 (got {head_dim})")
     q_rot, k_rot, v = (fa.maybe_contiguous(t) for t in (q_rot, k_rot, v))
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
     kernel = _compiled(dtype, head_dim, v.shape[3], heads // heads_kv, length, parts,
-                       successive_rows, (q_rot, k_rot, v, out, lse))
+                       (q_rot, k_rot, v, out, lse))
     kernel(q_rot.detach(), k_rot.detach(), v.detach(), out, lse, scale)
 
 
@@ -77,12 +72,11 @@ def _kernel_class() -> type:
     class DCAForwardSm90(fa4_parts.parts_mixin(), FlashAttentionForwardSm90):
         """FA4's SM90 causal forward; the query tile per key block from its DCA part."""
 
-        def __init__(self, *args, length: int, parts: int, successive_rows: int,
-                     **kwargs) -> None:
+        def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.pack_gqa
             assert self.intra_wg_overlap and self.tile_m == self.tile_n == _TILE
-            self.set_parts(length, parts, successive_rows)
+            self.set_parts(length, parts)
 
         # annotations evaluated here (no postponed evaluation in this file): the DSL reads them
         @cute.jit
@@ -235,9 +229,8 @@ def _kernel_class() -> type:
                         load_V(src_idx=n_block_prev, producer_state=kv_state_prev)
                         part_next = self.part_of(seqlen, m_block, n_block)
                         if part_next != part:  # waits for the consumers to release Q
-                            source = self.source_of(seqlen, m_block, part_next)
                             self.load_Q(mQ, sQ, tma_atom_Q, pipeline_q, q_phase, head_idx,
-                                        source * batches + batch_idx, m_block)
+                                        part_next * batches + batch_idx, m_block)
                             q_phase ^= 1
                             part = part_next
                     pipeline_v.producer_acquire(kv_state)
@@ -349,12 +342,11 @@ _SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
-              parts: int, successive_rows: int, tensors: tuple[torch.Tensor, ...]):
+              parts: int, tensors: tuple[torch.Tensor, ...]):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch)."""
     cache = fa4_parts.compile_cache("dca_fwd")
-    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts,
-           successive_rows)
+    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
     if key not in cache:
         import cutlass.cute as cute
         from flash_attn.cute import interface as fa
@@ -367,7 +359,7 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             dtype, head_dim, head_dim_v, qhead_per_kvhead, is_causal=True, is_local=False,
             pack_gqa=False, tile_m=_TILE, tile_n=_TILE, num_stages=2, num_threads=384,
             Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=cfg.mma_pv_is_rs,
-            length=length, parts=parts, successive_rows=successive_rows)
+            length=length, parts=parts)
         q, k, v, out, lse = tensors
         cute_tensors = [fa.to_cute_tensor(t) for t in (q, k, v, out)]
         cute_tensors.append(fa.to_cute_tensor(lse, assumed_align=4))

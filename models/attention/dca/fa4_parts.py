@@ -21,47 +21,26 @@ def parts_mixin() -> type:
     class DCAParts:
         """DCA's part of a kernel's (query block m, key block n) pair: the chunk distance, 0
         intra, 1 successive, 2 and more inter (the last of `parts` parts takes every farther
-        chunk); and the rotated copy that part reads its query from (`source_of`). The
-        kernel's tile_m and tile_n must divide the chunk length L and tile_m the successive
-        part's own rows."""
+        chunk). The kernel's tile_m and tile_n must divide the chunk length L."""
 
-        def set_parts(self, length: int, parts: int, successive_rows: int) -> None:
+        def set_parts(self, length: int, parts: int) -> None:
             self.parts = parts
             self.m_blocks_per_chunk = length // self.tile_m
             self.n_blocks_per_chunk = length // self.tile_n
-            # the query blocks of a chunk from which its successive part reads inter's copy
-            self.successive_blocks = successive_rows // self.tile_m
-            self.shares_inter = parts == 3 and successive_rows < length
-
-        @cute.jit
-        def query_block(self, seqlen, m_block):
-            """Query block m's index among all rows: the queries are the last seqlen_q of the
-            seqlen_k rows (causal's bottom-right alignment)."""
-            return (seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m + m_block
 
         @cute.jit
         def query_chunk(self, seqlen, m_block):
-            """The chunk of query block m."""
-            return self.query_block(seqlen, m_block) // self.m_blocks_per_chunk
+            """The chunk of query block m. The queries are the last seqlen_q of the seqlen_k
+            rows (causal's bottom-right alignment), so query block m is block
+            m + (seqlen_k - seqlen_q) / tile_m of all."""
+            m_first = (seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m
+            return (m_first + m_block) // self.m_blocks_per_chunk
 
         @cute.jit
         def part_of(self, seqlen, m_block, n_block):
             """The part query block m meets key block n in."""
             distance = self.query_chunk(seqlen, m_block) - n_block // self.n_blocks_per_chunk
             return cutlass.min(distance, self.parts - 1)
-
-        @cute.jit
-        def source_of(self, seqlen, m_block, part):
-            """The rotated copy (a part's batch index) query block m reads in `part`, and adds
-            its dQ to: the part's own, but the inter part's for the successive part past the
-            first successive_blocks of the chunk (where both rotations are one)."""
-            source = part
-            if cutlass.const_expr(self.shares_inter):
-                if part == 1:
-                    in_chunk = self.query_block(seqlen, m_block) % self.m_blocks_per_chunk
-                    if in_chunk >= self.successive_blocks:
-                        source = part + 1
-            return source
 
     return DCAParts
 

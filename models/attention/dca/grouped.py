@@ -29,7 +29,7 @@ import torch
 from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
 from models.attention.dca.dq_parts import rotate_back
-from models.attention.dca.plan import DCAPlan, KernelPaths, shared_successive_positions
+from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
@@ -75,35 +75,15 @@ def piece_rows(seq: int) -> int:
     return max(-(-seq // PIECES), MIN_PIECE_ROWS)
 
 
-def successive_rows(plan: DCAPlan) -> int:
-    """The rows at the start of each chunk (a multiple of BLOCK) where the kernels read the
-    successive part's own rotated query; on the chunk's other rows they read the inter part's,
-    the same rotation (DCAPlan.successive_is_inter_from), and add its dQ there. L: all rows."""
-    start = plan.successive_is_inter_from
-    return plan.length if start is None else min(-(-start // BLOCK) * BLOCK, plan.length)
-
-
-def kernel_positions(plan: DCAPlan) -> torch.Tensor:
-    """[parts, s] the positions the kernels' rotated copies hold: the plan's, the successive
-    part's rows that the kernels read from the inter part's copy -1 (not rotated, not read)."""
-    rows = successive_rows(plan)
-    if rows == plan.length:
-        return plan.positions
-    return shared_successive_positions(plan.positions.shape[1], plan.chunk_size,
-                                       plan.local_size, rows, plan.positions.device)
-
-
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts, from DCA's
     forward kernel; v contiguous."""
     batch, seq, heads, _ = q.shape
-    q_rot = plan.rotate_parts(q, positions=kernel_positions(plan))  # [p, b, s, hq, d]
-    k_rot = plan.rotate_k(k)  # [b, s, hk, d]
+    q_rot, k_rot = plan.rotate(q, k)  # [p, b, s, hq, d], [b, s, hk, d]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, seq, dtype=accumulation_dtype(q), device=q.device)
-    fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, successive_rows(plan),
-                        out, lse)
+    fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, out, lse)
     return out, lse
 
 
@@ -123,18 +103,17 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     batch, seq = q.shape[:2]
     count = -(-seq // max(rows, BLOCK))
     size = -(-seq // count // BLOCK) * BLOCK
-    positions, shared = kernel_positions(plan), successive_rows(plan)
     k_rot = plan.rotate_k(k)  # [b, s, hk, d]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk, dv = torch.empty_like(k_rot), torch.empty_like(v, memory_format=torch.contiguous_format)
     for end in range(seq, 0, -size):
         span = slice(max(end - size, 0), end)
-        q_rot = plan.rotate_parts(q, span, positions)  # [p, b, n, hq, d]
+        q_rot = plan.rotate_parts(q, span)  # [p, b, n, hq, d]
         dq_parts = fa4_backward.backward(
             q_rot.flatten(0, 1), k_rot[:, :end], v[:, :end], out[:, span], dout[:, span],
-            lse[:, :, span], scale, plan.length, shared, dk[:, :end], dv[:, :end], end < seq)
+            lse[:, :, span], scale, plan.length, dk[:, :end], dv[:, :end], end < seq)
         del q_rot
-        rotate_back(dq_parts, positions[:, span], plan.cos, plan.sin,
+        rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
                     None if plan.q_scale is None else plan.q_scale[:, span], scale, dq[:, span])
         del dq_parts  # before the next piece's kernel allocates its own
     for b in range(batch):

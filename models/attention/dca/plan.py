@@ -54,15 +54,6 @@ class DCAPlan:
         self.q_scale = query_factors(scaling, chunk_size, seq,
                                      None if bounds is None else tuple(bounds), self.num_parts,
                                      table_dtype, q.device)
-        # From this in-chunk offset on, the successive query is the inter one: both at C
-        # (min(r + L, C) = C = min(2L - 1, C) for r >= w where L > w), with one logit factor
-        # unless only inter is scaled; DCA's kernels read one rotated copy for both there
-        # (grouped.successive_rows). None: no such rows.
-        self.chunk_size, self.local_size = chunk_size, local_size
-        self.successive_is_inter_from = None
-        if (self.num_parts == 3 and self.length > local_size
-                and (self.q_scale is None or scaling.parts != "inter")):
-            self.successive_is_inter_from = local_size
         # Documents of at most C tokens (and 2L: no inter part) are causal attention under RoPE
         # at their own positions: chunk 1's offsets r < w, so its successive query sits at
         # r + L = p, unclamped, and every relative distance is the true one.
@@ -73,13 +64,10 @@ class DCAPlan:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
         return self.rotate_parts(q), self.rotate_k(k)
 
-    def rotate_parts(self, q: torch.Tensor, rows: slice = slice(None),
-                     positions: torch.Tensor | None = None) -> torch.Tensor:
+    def rotate_parts(self, q: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """Sequence rows `rows` (default all) of q [b, s, hq, d] rotated for every part (times
-        the parts' logit factors, if any): a contiguous [parts, b, s', hq, d]. `positions`
-        [parts, s] (default self.positions): a row's -1 leaves that part's row unwritten."""
-        positions = self.positions if positions is None else positions
-        q_rot = rotate_multi(q[:, rows], positions[:, rows], self.cos, self.sin)
+        the parts' logit factors, if any): a contiguous [parts, b, s', hq, d]."""
+        q_rot = rotate_multi(q[:, rows], self.positions[:, rows], self.cos, self.sin)
         if self.q_scale is not None:
             q_rot.mul_(self.q_scale[:, None, rows, None, None])  # [parts, 1, s', 1, 1]
         return q_rot
@@ -107,23 +95,6 @@ def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ..
     Row 0 (r, the in-chunk offset) is also every key's position. Built on the CPU and cached,
     so a layer's call launches nothing for it; positions restart at each document.
     """
-    return _cpu_positions(seq, chunk_size, local_size, bounds).to(device, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=16)
-def shared_successive_positions(seq: int, chunk_size: int, local_size: int,
-                                 successive_rows: int, device: torch.device) -> torch.Tensor:
-    """[3, seq] `_positions`'s part rows for one document, the successive part's -1 on each
-    chunk's rows from `successive_rows` on (DCA's kernels read the inter part's copy there)."""
-    positions = _cpu_positions(seq, chunk_size, local_size, None)[:3].clone()
-    positions[1, positions[0] >= successive_rows] = -1
-    return positions.to(device, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=16)
-def _cpu_positions(seq: int, chunk_size: int, local_size: int,
-                   bounds: tuple[int, ...] | None) -> torch.Tensor:
-    """The CPU table behind `_positions` and `shared_successive_positions`."""
     length = chunk_size - local_size
     in_doc = torch.arange(seq)
     if bounds is not None:
@@ -132,7 +103,7 @@ def _cpu_positions(seq: int, chunk_size: int, local_size: int,
     r = in_doc % length
     succ = torch.clamp(r + length, max=chunk_size)
     inter = torch.full_like(r, min(2 * length - 1, chunk_size))
-    return torch.stack([r, succ, inter, in_doc]).to(torch.int32)
+    return torch.stack([r, succ, inter, in_doc]).to(torch.int32).to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=16)
