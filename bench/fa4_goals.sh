@@ -11,7 +11,8 @@
 #           pieces, dK/dV added in place, dQ rotated back in one pass) against one_piece and
 #           the part calls: 8K C = 2048 back to back; 32K and 128K with a profile of auto at
 #           32K and every variant's ratio to FA4 causal in alternating pairs (--paired);
-#           gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K
+#           gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K; then issue 32's goals
+#           judged off those files by bench/fa4_goals.py (goals.md)
 #   (The stages `onecall`, `kernel` and `forward` of earlier sessions compared settings the
 #   in-place backward replaced (MAX_TOKENS, dca_backward=kernel); their figures in
 #   docs/benchmarks.md name their commits.)
@@ -59,7 +60,9 @@ for stage in "$@"; do
                --variant auto attention.dca_backward=auto \
                --variant one_piece attention.dca_backward=one_piece \
                --out "$OUT/train.json" > "$OUT/train.log" 2>&1
-             grep -E "^\| (8192|32768|131072|gpt)" "$OUT/bench.log" "$OUT/train.log" ;;
+             grep -E "^\| (8192|32768|131072|gpt)" "$OUT/bench.log" "$OUT/train.log"
+             "$PYTHON" bench/fa4_goals.py --long "$OUT/long.json" --small "$OUT/b8k.json" \
+               --train "$OUT/train.json" --out "$OUT/goals.json" | tee "$OUT/goals.md" ;;
     train) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
