@@ -1,7 +1,7 @@
 """Issue 32's goals checked against measured rows: one table with each goal, its figure and
 whether it holds.
 
-    python bench/fa4_goals.py --long long.json --small b8k.json --train train.json
+    python bench/fa4_goals.py --long long.json --small b8k.json --train train.json [...]
 
 `--long`: `python -m bench.attention --out` at 32K and 128K with `--paired fa4` (DCA on FA4,
 C = 8192: vs cuDNN causal SDPA, the ratio of the two rows' medians; vs FA4 causal, the median
@@ -92,7 +92,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", type=Path, help="bench.attention --out, 32K/128K, --paired fa4")
     parser.add_argument("--small", type=Path, help="bench.attention --out, 8K")
-    parser.add_argument("--train", type=Path, help="bench/train.py --out")
+    parser.add_argument("--train", type=Path, nargs="*", default=[],
+                        help="bench/train.py --out (one or more)")
     parser.add_argument("--out", type=Path, help="write the checks as JSON here")
     args = parser.parse_args()
     checks = []
@@ -101,7 +102,8 @@ def main() -> None:
     if args.small:
         checks += attention_goals(json.loads(args.small.read_text()), SMALL)
     if args.train:
-        checks += train_goals(json.loads(args.train.read_text())["results"])
+        checks += train_goals([row for path in args.train
+                               for row in json.loads(path.read_text())["results"]])
     print(markdown(checks))
     if args.out:
         args.out.write_text(json.dumps(checks, indent=1))
