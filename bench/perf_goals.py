@@ -45,10 +45,10 @@ def attention_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             checks.append(check(f"{what} speed vs cuDNN", None, ">=", SPEED[r["seq"]]))
             continue
         checks.append(check(f"{what} speed vs cuDNN", ref["fwd_bwd_ms"] / r["fwd_bwd_ms"],
-                             ">=", SPEED[r["seq"]]))
+                            ">=", SPEED[r["seq"]]))
         if r["seq"] in MEMORY and r.get("peak_complete", True):
             checks.append(check(f"{what} peak memory vs cuDNN",
-                                 r["peak_mib"] / ref["peak_mib"], "<=", MEMORY[r["seq"]]))
+                                r["peak_mib"] / ref["peak_mib"], "<=", MEMORY[r["seq"]]))
     return checks
 
 
@@ -61,13 +61,13 @@ def train_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gpt_1p3b MFU per (attention, length, variant) with a goal, noted with the SM clock and
     power it ran at."""
     return [check(f"gpt_1p3b {r['attention']} {r['seq']} {r.get('variant', '-')} MFU",
-                   r.get("mfu"), ">=", MFU[r["seq"]], describe(r.get("gpu_power")))
+                  r.get("mfu"), ">=", MFU[r["seq"]], describe(r.get("gpu_power")))
             for r in rows if r.get("model") == "gpt_1p3b" and r.get("seq") in MFU
             and r.get("attention") in ("standard", "dca")]
 
 
 def check(what: str, value: float | None, op: str, goal: float,
-           note: str = "-") -> dict[str, Any]:
+          note: str = "-") -> dict[str, Any]:
     holds = value is not None and (value >= goal if op == ">=" else value <= goal)
     return {"goal": what, "value": value, "target": f"{op} {goal:g}", "holds": holds,
             "note": note}
