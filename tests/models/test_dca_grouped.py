@@ -159,8 +159,8 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
     """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
     key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q;
     P from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are
-    written to (or added to) dk_out, dv_out; each part's dQ is returned unscaled, in a layout
-    of tiles of one row (`tile` the identity)."""
+    written to (or added to) dk_out, dv_out, or with GQA added, dK unscaled, to the sums of
+    `rows_kv_accumulators`; each part's dQ is returned unscaled, in rows."""
     batch, seq_q, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts, group = q_rot.shape[0] // batch, heads // heads_kv
@@ -175,10 +175,13 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
         dv += torch.einsum("bhqk,bqhd->bkhd", prob, dout)
         d_scores = prob * (torch.einsum("bqhd,bkhd->bhqk", dout, vv) - delta)
         dq[p] = torch.einsum("bhqk,bkhd->bqhd", d_scores, k)
-        dk += torch.einsum("bhqk,bqhd->bkhd", d_scores, q_parts[p]) * scale
-    for grad, total in ((dk, dk_out), (dv, dv_out)):
+        dk += torch.einsum("bhqk,bqhd->bkhd", d_scores, q_parts[p])
+    for grad, total, grad_scale in ((dk, dk_out, scale), (dv, dv_out, 1.0)):
         grad = grad.unflatten(2, (heads_kv, group)).sum(3)
-        total.copy_(total + grad if accumulate else grad)
+        if group > 1:  # FA4's float32 sums, converted (and dK scaled) by store_kv
+            total[:, :seq_k] += grad
+        else:
+            total.copy_(total + grad * grad_scale if accumulate else grad * grad_scale)
     data = dq.flatten(0, 1).transpose(1, 2).reshape(parts * batch, heads, seq_q * head_dim)
     return DQParts(data, "rows")
 
@@ -229,6 +232,19 @@ def test_rotate_back_matches_the_parts_rotated_one_by_one(layout: str) -> None:
     torch.testing.assert_close(out, expected)
 
 
+def rows_kv_accumulators(k_rot: torch.Tensor, v: torch.Tensor,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fa4_backward.kv_accumulators's contract, in rows: zeroed sums like k_rot and v."""
+    return torch.zeros_like(k_rot), torch.zeros_like(v)
+
+
+def rows_store_kv(sums: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor,
+                  scale: float) -> None:
+    """fa4_backward.store_kv's contract, in rows: dk = scale * sums[0], dv = sums[1]."""
+    dk.copy_(sums[0] * scale)
+    dv.copy_(sums[1])
+
+
 @pytest.fixture
 def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """DCA's kernels (their stand-ins above), the backward's calls recorded as (query rows, key
@@ -241,6 +257,8 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
     monkeypatch.setattr(grouped, "BLOCK", 1)
     monkeypatch.setattr(fa4_backward, "backward", recorded)
+    monkeypatch.setattr(fa4_backward, "kv_accumulators", rows_kv_accumulators)
+    monkeypatch.setattr(fa4_backward, "store_kv", rows_store_kv)
     monkeypatch.setattr(fa4_forward, "forward", dense_kernel_forward)
     return calls
 

@@ -43,15 +43,17 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
              dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int, dk: torch.Tensor,
              dv: torch.Tensor, accumulate: bool) -> DQParts:
     """The per-part dQ of the rotated queries (float32 accumulators, DQParts), for queries
-    that are the last s_q of the s_k key rows (s_q = s_k: all of them); dk (of k_rot) and dv
-    [b, s_k, hk, d] written in place, or added to (`accumulate`).
+    that are the last s_q of the s_k key rows (s_q = s_k: all of them); their dK (of k_rot) and
+    dV into dk and dv.
 
     q_rot: [p * b, s_q, hq, d] part-major; k_rot, v: [b, s_k, hk, d]; out, dout: merged [b, s_q,
     hq, d]; lse: merged [b, hq, s_q] float32; length: the chunk length L. L, s_q and s_k must be
     multiples of 128. With s_q < s_k, dq is complete (the queries' keys all lie in the first s_k
-    rows) and dk, dv are these queries' share. dk and dv may be views (a unit last stride):
-    without GQA the kernel stores into them, or adds (a bf16 TMA reduce-add, one rounding per
-    call); with GQA its float32 accumulators are converted, then stored or added.
+    rows) and dK, dV are these queries' share. Without GQA dk and dv are [b, s_k, hk, d] (views
+    with a unit last stride) that the kernel stores into, or adds to (`accumulate`: a bf16 TMA
+    reduce-add, one rounding per call). With GQA (several query heads add into one key head)
+    they are float32 sums from `kv_accumulators`, for at least s_k key rows, that the kernel
+    adds to whatever `accumulate` says; `store_kv` converts them once, after the last call.
     """
     from flash_attn.cute import interface as fa  # with FA4 only
 
@@ -61,17 +63,19 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     if length % _ROW_MULTIPLE or seq % _ROW_MULTIPLE or seq_k % _ROW_MULTIPLE or seq > seq_k:
         raise ValueError(f"the DCA backward kernel needs L ({length}) and the query ({seq}) and "
                          f"key ({seq_k}) rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
-    cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
-    tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
+    cfg, multiple = _accumulator_layout(head_dim, head_dim_v)
+    tile_m = cfg.m_block_size
     if (cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64
             or head_dim not in FA4_SM90_HEAD_DIMS):
         raise ValueError(f"head_dim {head_dim}: FA4's dQ accumulator is not in the layout "
                          "dq_parts.fa4_sm90_rows reads")
+    gqa = heads_kv < heads
+    if gqa != (dk.dtype == torch.float32):
+        raise ValueError("dk and dv must be kv_accumulators' float32 sums with GQA, and the "
+                         f"gradients themselves without it (got {dk.dtype} for {heads} query "
+                         f"and {heads_kv} key heads)")
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
-    multiple = 64 if cfg.dKV_swapAB else 32  # FA4's accumulator rounding of the head dim
     dim_acc = -(-head_dim // multiple) * multiple
-    dim_v_acc = -(-head_dim_v // multiple) * multiple
-    rows_k = -(-seq_k // tile_n) * tile_n
     device = out.device
     q_rot, k_rot, v, out, dout, lse = (fa.maybe_contiguous(t)
                                        for t in (q_rot, k_rot, v, out, dout, lse))
@@ -84,32 +88,49 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     lse_log2 = torch.empty_like(dpsum)
     fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None, None, None, None, dtype,
                        head_dim, head_dim_v, tile_m, fake_mode=False, hdim_multiple_of=multiple)
-    gqa = heads_kv < heads  # several query heads add into one dK/dV: float32 accumulators
-    if gqa:
-        dk_out = torch.zeros(batch, heads_kv, rows_k * dim_acc, dtype=torch.float32,
-                             device=device)
-        dv_out = torch.zeros(batch, heads_kv, rows_k * dim_v_acc, dtype=torch.float32,
-                             device=device)
-    else:
-        dk_out, dv_out = dk, dv
     kernel = _compiled(dtype, head_dim, head_dim_v, heads // heads_kv, length, parts,
                        accumulate and not gqa,
-                       (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out), scale)
-    kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_out,
-           dv_out, scale, None, None, None, None, None, None, None, None, None,
-           fa.AuxData(None, None), None, None)
-    if gqa:
-        threads = cfg.num_wg * 128
-        for accum, grad, grad_scale, dim in ((dk_out, dk, scale, head_dim),
-                                             (dv_out, dv, 1.0, head_dim_v)):
-            converted = torch.empty_like(grad) if accumulate else grad
-            fa._bwd_postprocess_convert(accum, converted, grad_scale, None, None, 90, dtype,
-                                        dim, tile_n, threads, cfg.AtomLayoutNdKV,
-                                        cfg.dKV_swapAB, fake_mode=False,
-                                        hdim_multiple_of=multiple)
-            if accumulate:
-                grad.add_(converted)
+                       (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk, dv), scale)
+    kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv,
+           scale, None, None, None, None, None, None, None, None, None, fa.AuxData(None, None),
+           None, None)
     return DQParts(dq_accum, "fa4_sm90")
+
+
+def kv_accumulators(k_rot: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed float32 sums of dK and dV for every key row of k_rot, v [b, s_k, hk, d] in FA4's
+    SM90 accumulator layout ([b, hk, rows * d'], rows and d' rounded up to FA4's tiles), for
+    GQA: every `backward` call (a piece of query rows) adds its share in the kernel, and
+    `store_kv` converts the sums once."""
+    batch, seq_k, heads_kv, head_dim = k_rot.shape
+    cfg, multiple = _accumulator_layout(head_dim, v.shape[3])
+    rows = -(-seq_k // cfg.n_block_size) * cfg.n_block_size
+    return tuple(torch.zeros(batch, heads_kv, rows * -(-dim // multiple) * multiple,
+                             dtype=torch.float32, device=k_rot.device)
+                 for dim in (head_dim, v.shape[3]))
+
+
+def store_kv(sums: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor,
+             scale: float) -> None:
+    """dk (times the softmax scale) and dv [b, s_k, hk, d], contiguous, from kv_accumulators'
+    sums: FA4's postprocess, one rounding."""
+    from flash_attn.cute import interface as fa  # with FA4 only
+
+    cfg, multiple = _accumulator_layout(dk.shape[3], dv.shape[3])
+    for accum, grad, grad_scale in ((sums[0], dk, scale), (sums[1], dv, 1.0)):
+        fa._bwd_postprocess_convert(accum, grad, grad_scale, None, None, 90,
+                                    fa.torch2cute_dtype_map[grad.dtype], grad.shape[3],
+                                    cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV,
+                                    cfg.dKV_swapAB, fake_mode=False, hdim_multiple_of=multiple)
+
+
+def _accumulator_layout(head_dim: int, head_dim_v: int):  # noqa: ANN202
+    """FA4's SM90 causal backward configuration at these head dims, and the multiple its
+    float32 accumulators round the head dim up to."""
+    from flash_attn.cute import interface as fa  # with FA4 only
+
+    cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
+    return cfg, 64 if cfg.dKV_swapAB else 32
 
 
 @functools.cache

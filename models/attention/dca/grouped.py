@@ -96,9 +96,10 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     The queries go in even pieces of at most `rows` rows (multiples of BLOCK), the last first,
     each with the keys up to its end (the kernel's bottom-right causal alignment): a piece's dq
     is complete (its parts' accumulators rotated back and summed, dq_parts.py); its dk and dv
-    add to the earlier pieces' in place (the first, reaching every key, writes them), dk in
-    k_rot's frame until one rotation back at the end. Only a piece's rotated q and its
-    per-part dQ accumulators are alive at a time.
+    add to the earlier pieces' in place (the first, reaching every key, writes them; with GQA
+    all add into float32 sums converted once at the end), dk in k_rot's frame until one
+    rotation back at the end. Only a piece's rotated q and its per-part dQ accumulators are
+    alive at a time.
     """
     batch, seq = q.shape[:2]
     count = -(-seq // max(rows, BLOCK))
@@ -106,16 +107,21 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     k_rot = plan.rotate_k(k)  # [b, s, hk, d]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk, dv = torch.empty_like(k_rot), torch.empty_like(v, memory_format=torch.contiguous_format)
+    # with GQA every piece adds its dK/dV into float32 sums, converted once after the last
+    sums = fa4_backward.kv_accumulators(k_rot, v) if k.shape[2] < q.shape[2] else None
     for end in range(seq, 0, -size):
         span = slice(max(end - size, 0), end)
         q_rot = plan.rotate_parts(q, span)  # [p, b, n, hq, d]
+        key_grads = (dk[:, :end], dv[:, :end]) if sums is None else sums
         dq_parts = fa4_backward.backward(
             q_rot.flatten(0, 1), k_rot[:, :end], v[:, :end], out[:, span], dout[:, span],
-            lse[:, :, span], scale, plan.length, dk[:, :end], dv[:, :end], end < seq)
+            lse[:, :, span], scale, plan.length, *key_grads, end < seq)
         del q_rot
         rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
                     None if plan.q_scale is None else plan.q_scale[:, span], scale, dq[:, span])
         del dq_parts  # before the next piece's kernel allocates its own
+    if sums is not None:
+        fa4_backward.store_kv(sums, dk, dv, scale)
     for b in range(batch):
         rotate_transpose_sum([dk[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
     return dq, dk, dv
