@@ -42,11 +42,11 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
 
 
-
 def head_dim_of(model: ModelConfig) -> int:
     """The attention head's width: kv_channels, or hidden_size / num_attention_heads (a
     ModelConfig or the config group holding its fields)."""
     return model.kv_channels or model.hidden_size // model.num_attention_heads
+
 
 @dataclass
 class AttentionConfig:

@@ -284,7 +284,7 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
         from flash_attn.cute import flash_bwd_sm90
         from flash_attn.cute import interface as fa
 
-        cfg = fa._tile_size_bwd_sm90(head_dim, head_dim_v, True, False)
+        cfg, _ = _accumulator_layout(head_dim, head_dim_v)
         kernel = _kernel_class()(
             dtype, head_dim, head_dim_v, qhead_per_kvhead, True, is_local=False,
             deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
