@@ -35,8 +35,9 @@ from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
 # The backward kernel's pieces under dca_backward=auto: a PIECES-th of the sequence's rows
-# each, never fewer than MIN_PIECE_ROWS (smaller pieces pay launches and tail waves for no
-# memory worth saving). Measured: docs/benchmarks.md, "DCA's backward in place".
+# each, never fewer than MIN_PIECE_ROWS (each piece launches a block per key tile up to its
+# end, and each block's fixed work costs ~9 us of an SM: small pieces buy no memory worth it).
+# Measured: docs/benchmarks.md, "DCA's backward in place" and "DCA's passes, its pieces".
 PIECES = 5
 MIN_PIECE_ROWS = 4096
 BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
