@@ -90,10 +90,29 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
     assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == KernelPaths()
 
 
-def test_auto_backward_pieces_are_a_fifth_of_the_rows() -> None:
-    assert -(-131072 // grouped.piece_rows(131072)) == 5  # pieces
-    assert -(-32768 // grouped.piece_rows(32768)) == 5
-    assert grouped.piece_rows(8192) == grouped.MIN_PIECE_ROWS
+def test_auto_backward_pieces_follow_the_memory_budget() -> None:
+    """A fifth of the rows without GQA, a quarter with it, never fewer than MIN_PIECE_ROWS."""
+    for seq in (32768, 131072):
+        assert -(-seq // grouped.piece_rows(seq, 16, 16)) == 5  # pieces
+        assert -(-seq // grouped.piece_rows(seq, 16, 4)) == 4
+        assert -(-seq // grouped.piece_rows(seq, 32, 8)) == 4
+    assert grouped.piece_rows(8192, 16, 16) == grouped.MIN_PIECE_ROWS
+    for heads, kv_heads in ((16, 16), (16, 4), (16, 1)):
+        count = grouped.pieces(heads, kv_heads)
+        assert grouped.memory_over_causal(count, heads, kv_heads) <= grouped.MEMORY_OVER_CAUSAL
+        assert grouped.memory_over_causal(count - 1, heads, kv_heads) > grouped.MEMORY_OVER_CAUSAL
+
+
+# Peak MiB of one fwd+bwd at 32K (16 heads of 128, C = 8192) on the H100, DCA's `auto` backward
+# in 1-5 pieces, then FA4 causal's (docs/results/dca_b2b_2026-11-27/pieces_b2b.txt)
+MEASURED_PEAKS = {16: ((1798, 1220, 1030, 931, 877), 774), 4: ((1638, 1060, 870, 771, 717), 710)}
+
+
+def test_memory_model_matches_the_measured_peaks() -> None:
+    for kv_heads, (peaks, causal) in MEASURED_PEAKS.items():
+        for count, peak in enumerate(peaks, 1):
+            model = grouped.memory_over_causal(count, 16, kv_heads)
+            assert model == pytest.approx(peak / causal - 1, abs=0.02), (kv_heads, count)
 
 
 def test_dca_backward_setting_is_checked() -> None:
@@ -119,7 +138,7 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
                for _ in range(3))
     out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, backward="one_piece")
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
-    monkeypatch.setattr(grouped, "piece_rows", lambda seq: 1)
+    monkeypatch.setattr(grouped, "piece_rows", lambda seq, heads, kv_heads: 1)
     out.sum().backward()
     assert taken == ["forward", "backward(64)"]  # in one piece, as planned
 
@@ -271,7 +290,7 @@ def test_kernel_backward_pieces_match_the_reference(
     """The queries in even pieces of at most `budget` rows, the last first, each with the keys
     up to its end; gradients (dq complete per piece, dk/dv summed over pieces) are the
     reference's. 52 tokens with L = 7: 7 chunks and a tail."""
-    monkeypatch.setattr(grouped, "piece_rows", lambda seq: budget)
+    monkeypatch.setattr(grouped, "piece_rows", lambda seq, heads, kv_heads: budget)
     assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
     size = -(-52 // -(-52 // budget))  # even pieces
     expected = [(min(size, end), end) for end in range(52, 0, -size)]
@@ -284,7 +303,7 @@ def test_kernel_backward_pieces_with_length_scaling(
         kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
     """Llama 4's log scaling on the successive and inter parts: dq carries each part's factor
     piece by piece."""
-    monkeypatch.setattr(grouped, "piece_rows", lambda seq: 13)
+    monkeypatch.setattr(grouped, "piece_rows", lambda seq, heads, kv_heads: 13)
     seq, chunk, local = 45, 11, 3
     factors = part_factors([log_factor(p, 0.3, 6) for p in range(seq)], "succ_inter")
     check(DCAScaling("log", "succ_inter", attn_scale=0.3, floor_scale=6), factors, seq, chunk,

@@ -80,7 +80,7 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
     pieces of at most grouped.piece_rows query rows (grouped.backward)."""
     if plan.paths.kernels:
         seq = q.shape[1]
-        rows = seq if plan.paths.one_piece else grouped.piece_rows(seq)
+        rows = seq if plan.paths.one_piece else grouped.piece_rows(seq, q.shape[2], k.shape[2])
         return grouped.backward(plan, scale, q, k, v, out, lse, dout, rows)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])

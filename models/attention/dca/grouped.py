@@ -17,12 +17,15 @@ the chunk length L and the sequence multiples of BLOCK (each tile then lies in o
 and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96 and 128.
 The forward holds every part's rotated q (three times q's size) for its one call. The backward
 holds, per query row, its three rotated copies and three float32 dQ accumulators (nine times
-the row's size in bf16), so under `dca_backward=auto` it runs in pieces of about a fifth of the
-rows, which keeps the attention's peak memory within ~1.15x of causal attention's;
-`one_piece` takes all rows at once (a few percent faster, ~2.3x the memory; docs/benchmarks.md).
+the row's size in bf16), so under `dca_backward=auto` it runs in as few pieces of query rows as
+keep the backward's memory within MEMORY_OVER_CAUSAL of causal attention's (`pieces`: a fifth
+of the rows without GQA, a quarter with it); `one_piece` takes all rows at once (a few percent
+faster, ~2.3x the memory; docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -34,11 +37,12 @@ from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
-# The backward kernel's pieces under dca_backward=auto: a PIECES-th of the sequence's rows
-# each, never fewer than MIN_PIECE_ROWS (each piece launches a block per key tile up to its
-# end, and each block's fixed work costs ~9 us of an SM: small pieces buy no memory worth it).
-# Measured: docs/benchmarks.md, "DCA's backward in place" and "DCA's passes, its pieces".
-PIECES = 5
+# The backward kernel's pieces under dca_backward=auto: as few as keep the backward's memory
+# within MEMORY_OVER_CAUSAL of causal attention's (`pieces`), never fewer than MIN_PIECE_ROWS
+# rows each (each piece launches a block per key tile up to its end, and each block's fixed
+# work costs ~9 us of an SM: a piece fewer is ~1% faster at 32K, small pieces buy no memory
+# worth it). Measured: docs/benchmarks.md, "DCA's passes, its pieces" and "Pieces by memory".
+MEMORY_OVER_CAUSAL = 0.15
 MIN_PIECE_ROWS = 4096
 BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
 # The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py); at 72
@@ -71,9 +75,29 @@ def check_backward(backward: str) -> None:
         raise ValueError(f"dca_backward must be one of {' | '.join(BACKWARDS)}, got {backward!r}")
 
 
-def piece_rows(seq: int) -> int:
+def memory_over_causal(pieces: int, heads: int, kv_heads: int) -> float:
+    """How much more memory DCA's backward in `pieces` pieces of query rows takes than causal
+    attention's, as a fraction of causal's, by this model (per query row, in q rows, r =
+    kv_heads / heads): a piece holds its rows' three rotated copies and three float32 dQ
+    accumulators (9 per row of the piece); beside them DCA holds k rotated (r) and lacks causal
+    attention's float32 dQ accumulator (2); causal attention holds out, dq, dk, dv and that
+    accumulator, with GQA float32 dK/dV sums too (4 + 2r, + 4r). Checked against the peaks
+    measured at 32K (tests/models/test_dca_grouped.py)."""
+    ratio = kv_heads / heads
+    causal = 4 + 2 * ratio + (4 * ratio if kv_heads < heads else 0)
+    return (9 / pieces + ratio - 2) / causal
+
+
+def pieces(heads: int, kv_heads: int) -> int:
+    """The fewest pieces of query rows that keep DCA's backward within MEMORY_OVER_CAUSAL of
+    causal attention's memory: 5 with 16/16 heads (1.13x measured), 4 with 16/4 (1.09x)."""
+    return next(count for count in itertools.count(1)
+                if memory_over_causal(count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
+
+
+def piece_rows(seq: int, heads: int, kv_heads: int) -> int:
     """The most query rows of one backward kernel piece under dca_backward=auto."""
-    return max(-(-seq // PIECES), MIN_PIECE_ROWS)
+    return max(-(-seq // pieces(heads, kv_heads)), MIN_PIECE_ROWS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
