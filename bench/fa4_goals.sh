@@ -19,8 +19,10 @@
 #   docs/benchmarks.md name their commits.)
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
+#   firstuse what a run pays for the JIT compiles: gpt_1p3b at 32K, one process per run, with
+#           empty compile caches, then with the ones that run filled (bench/first_use.py)
 #
-#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small inplace goals train
+#   OUT=out PYTHON=python3 bash bench/fa4_goals.sh tests attn small inplace goals train firstuse
 set -uo pipefail
 OUT=${OUT:?set OUT to the output directory}
 PYTHON=${PYTHON:-python}
@@ -72,5 +74,8 @@ for stage in "$@"; do
              --variant cudnn attention.kernel=cudnn --variant fa4 attention.kernel=fa4 \
              --out "$OUT/train.json" > "$OUT/train.log" 2>&1
            grep -E "^\| gpt" "$OUT/train.log" ;;
+    firstuse) "$PYTHON" bench/first_use.py --out "$OUT/first_use.json" \
+                > "$OUT/first_use.log" 2>&1
+              sed -n '/^| attention/,$p' "$OUT/first_use.log" ;;
   esac
 done

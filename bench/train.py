@@ -110,6 +110,8 @@ def summarize(rows: list[dict[str, Any]], warmup: int, profiled: bool) -> dict[s
         "tflops": statistics.median(r["tflops_per_gpu"] for r in timed),
         "mfu": statistics.median(r.get("mfu", float("nan")) for r in timed),
         "step_s": statistics.median(r["step_time_s"] for r in timed),
+        # the warm-up steps' own times: the first holds every JIT compile the run pays for
+        "warmup_steps_s": [r["step_time_s"] for r in rows[:warmup]],
         "memory_gb": max(r["memory_gb"] for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],

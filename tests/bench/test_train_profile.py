@@ -54,3 +54,15 @@ def test_profile_summary_categories_gaps_and_busy_time() -> None:
     assert list(summary["categories"])[0] == "attention kernels (cuDNN/flash)"  # 5 ms: first
     assert summary["timeline"].startswith("GPU: 4 kernels, busy 6.60 ms of 9.70 ms")
     assert "largest: 3000 us before void at::native::vectorized_elementwise" in summary["timeline"]
+
+
+def test_summary_times_the_steps_after_warm_up_and_keeps_the_warm_up_steps_own() -> None:
+    """The first steps hold the JIT compiles a run pays for: out of the medians, reported apart
+    (`warmup_steps_s`); a profiled last step is left out too."""
+    rows = [{"tokens_per_s": 1000 / t, "tflops_per_gpu": 1 / t, "mfu": 0.5 / t, "step_time_s": t,
+             "memory_gb": 1.0, "loss": 6 - i, "attention_kernel": "fa4"}
+            for i, t in enumerate((30.0, 1.5, 1.0, 1.2, 1.1, 9.0))]
+    summary = train.summarize(rows, warmup=2, profiled=True)
+    assert summary["warmup_steps_s"] == [30.0, 1.5]
+    assert summary["step_s"] == 1.1 and summary["timed_steps"] == 3
+    assert summary["loss_first"] == 6 and summary["kernel"] == "fa4"
