@@ -118,10 +118,10 @@ def fa4_takes_head_dim(head_dim: int) -> bool:
 
     FA4's SM90 backward (flash-attn-4 4.0.0b36) pads the head dim to 16 columns in its main
     kernel but to 32 in the float32 accumulators' post-processing (dQ; dK/dV under GQA), 64 on
-    both sides above 128, so up to 128 the two agree only at multiples of 32. Read in FA4's
-    sources (flash_bwd_sm90.py, flash_bwd_postprocess.py, interface.py) after DCA's backward
-    kernel, which shares that machinery, gave wrong dq, dk and dv at head_dim 72 on the H100
-    (docs/benchmarks.md); FA4's own backward at those head dims is not yet checked on a GPU.
+    both sides above 128, so up to 128 the two agree only at multiples of 32. On the H100 FA4's
+    own causal backward gave dq 1.1 off (relative) at head dims 72 and 80, and dk, dv too with
+    GQA (docs/benchmarks.md, "DCA's passes, its pieces, ..."); the upstream fix, one rounding
+    for both, is Dao-AILab/flash-attention pull request 2896 (open as of 2026-11).
     """
     return head_dim % 32 == 0 or head_dim > 128
 
