@@ -40,8 +40,9 @@ BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <=
 # The backward kernel's pieces under dca_backward=auto: as few as keep the backward's memory
 # within MEMORY_OVER_CAUSAL of causal attention's (`pieces`), never fewer than MIN_PIECE_ROWS
 # rows each (each piece launches a block per key tile up to its end, and each block's fixed
-# work costs ~9 us of an SM: a piece fewer is ~1% faster at 32K, small pieces buy no memory
-# worth it). Measured: docs/benchmarks.md, "DCA's passes, its pieces" and "Pieces by memory".
+# work costs ~9 us of an SM: a piece fewer is 0-1.5% faster at 32K, small pieces buy no memory
+# worth it). Measured: docs/benchmarks.md, "DCA's passes, its pieces, ..." and "Back to back,
+# pieces by memory, ...".
 MEMORY_OVER_CAUSAL = 0.15
 MIN_PIECE_ROWS = 4096
 BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
