@@ -82,12 +82,12 @@ def flex(mode: str = "default") -> Variant:
     """Causal attention from torch's flex_attention: a Triton kernel that Inductor generates
     (and with `mode="max-autotune-no-cudagraphs"` autotunes), skipping the blocks the mask
     empties. Its speed is what a fused DCA kernel written in Triton could hope for at best (DCA
-    does causal attention's work, plus its rotations), which is why the row is here. Compiled on
-    CUDA; eager (the dense reference) elsewhere."""
+    does causal attention's work, plus its rotations), which is why the row is here. Compiled for
+    CUDA inputs; eager (the dense reference) for others, also on a CUDA host (Inductor's CPU
+    flex_attention takes no float64)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     masks: dict[tuple[int, str], object] = {}
-    kernel = (torch.compile(flex_attention, mode=mode, dynamic=False) if torch.cuda.is_available()
-              else flex_attention)
+    compiled = torch.compile(flex_attention, mode=mode, dynamic=False)
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seq = q.shape[1]
@@ -96,6 +96,7 @@ def flex(mode: str = "default") -> Variant:
             # builder never holds the dense [s, s] mask (128 GiB at 128K)
             masks[key] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq, seq,
                                            device=q.device, _compile=q.is_cuda)
+        kernel = compiled if q.is_cuda else flex_attention
         out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                      block_mask=masks[key], enable_gqa=q.shape[2] != k.shape[2])  # [b, h, s, d]
         return out.transpose(1, 2)
