@@ -134,15 +134,18 @@ def test_chunked(hk: int, packed: bool) -> None:
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group, both passes), "pieces" (DCA's own kernels, the backward over pieces of 1024 query
-    rows: dca_backward=auto) or "one call" (both kernels, the backward in one piece:
-    one_piece); checks that it ran."""
+    group, both passes), "pieces" (DCA's own kernels, the backward over groups of heads:
+    dca_backward=auto), "row pieces" (the backward one key head at a time, over pieces of
+    1024 query rows) or "one call" (both kernels, the backward in one piece: one_piece);
+    checks that it ran."""
     taken = {"forward": 0, "backward": 0, "forward kernel": 0, "backward kernel": 0}
     paths = grouped.paths
-    setting = {"parts": "parts", "pieces": "auto", "one call": "one_piece"}[request.param]
+    setting = {"parts": "parts", "pieces": "auto", "row pieces": "auto",
+               "one call": "one_piece"}[request.param]
     monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
         q, length, packed, setting))  # dca_backward
-    monkeypatch.setattr(grouped, "MIN_PIECE_ROWS", 1024)
+    if request.param == "row pieces":
+        monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 1024))
 
     def counting(module, name: str, key: str) -> None:  # noqa: ANN001
         fn = getattr(module, name)
@@ -163,7 +166,7 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
         assert fa4_counted == {"fwd": 0, "bwd": 0} and all(taken.values())
         assert taken["forward kernel"] == taken["forward"]  # one call
         pieces = taken["backward kernel"] / taken["backward"]
-        assert pieces > 1 if request.param == "pieces" else pieces == 1
+        assert pieces > 1 if "pieces" in request.param else pieces == 1
 
 
 def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None = None,  # noqa: ANN001
@@ -178,7 +181,7 @@ def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None =
     return errors
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["parts", "pieces", "row pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
 def test_dca(hk: int, dca_path: str) -> None:
@@ -187,7 +190,7 @@ def test_dca(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["pieces", "row pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
@@ -200,7 +203,7 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["pieces", "row pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
@@ -213,7 +216,16 @@ def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
     _check(_dca_errors(q, k, v, dout, 512, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", ["pieces"], indirect=True)
+def test_dca_backward_in_uneven_head_groups(dca_path: str) -> None:
+    """16 heads without GQA: auto's six groups of 2 or 3 heads, head slices at odd offsets into
+    q, out, dout and the gradients."""
+    assert [g.stop - g.start for g in grouped.split(2048, 16, 16).head_groups(16)] == [
+        2, 3, 3, 2, 3, 3]
+    _check(_dca_errors(*_inputs(2048, 16, 16), 512, 128))
+
+
+@pytest.mark.parametrize("dca_path", ["pieces", "row pieces", "one call"], indirect=True)
 def test_dca_kernels_at_head_dim_96(dca_path: str) -> None:
     """FA4's configuration with P through shared memory in the forward and one dQ warpgroup in
     the backward, GQA."""
@@ -308,7 +320,7 @@ def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "pieces", "one call"],
+@pytest.mark.parametrize("dca_path", ["parts", "pieces", "row pieces", "one call"],
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_replayed_as_cuda_graphs(hk: int, dca_path: str) -> None:

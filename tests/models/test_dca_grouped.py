@@ -90,28 +90,47 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
     assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == KernelPaths()
 
 
-def test_auto_backward_pieces_follow_the_memory_budget() -> None:
-    """A fifth of the rows without GQA, a quarter with it, never fewer than MIN_PIECE_ROWS."""
+def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
+    """Groups of key heads first (6 of 16 heads without GQA, 4 with 16/4 and 32/8), pieces
+    of rows only where one key head at a time is over the budget (16/1: a quarter of the rows,
+    never fewer than MIN_PIECE_ROWS); in each case the fewest within the budget."""
     for seq in (32768, 131072):
-        assert -(-seq // grouped.piece_rows(seq, 16, 16)) == 5  # pieces
-        assert -(-seq // grouped.piece_rows(seq, 16, 4)) == 4
-        assert -(-seq // grouped.piece_rows(seq, 32, 8)) == 4
-    assert grouped.piece_rows(8192, 16, 16) == grouped.MIN_PIECE_ROWS
-    for heads, kv_heads in ((16, 16), (16, 4), (16, 1)):
-        count = grouped.pieces(heads, kv_heads)
-        assert grouped.memory_over_causal(count, heads, kv_heads) <= grouped.MEMORY_OVER_CAUSAL
-        assert grouped.memory_over_causal(count - 1, heads, kv_heads) > grouped.MEMORY_OVER_CAUSAL
+        assert grouped.split(seq, 16, 16) == grouped.Split(3, seq)
+        assert grouped.split(seq, 16, 4) == grouped.Split(1, seq)
+        assert grouped.split(seq, 32, 8) == grouped.Split(2, seq)
+        assert grouped.split(seq, 16, 1) == grouped.Split(1, seq // 4)
+    assert grouped.split(8192, 16, 1) == grouped.Split(1, grouped.MIN_PIECE_ROWS)
+    budget = grouped.MEMORY_OVER_CAUSAL
+    for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1), (4, 4)):
+        cut = grouped.split(32768, heads, kv_heads)
+        groups, pieces = len(cut.head_groups(kv_heads)), -(-32768 // cut.rows)
+        share = cut.kv_heads / kv_heads
+        assert grouped.memory_over_causal(share, pieces, heads, kv_heads) <= budget
+        if pieces == 1:  # one group fewer would be over
+            fewer = -(-kv_heads // (groups - 1)) / kv_heads
+            assert grouped.memory_over_causal(fewer, 1, heads, kv_heads) > budget
+        else:  # one key head per group, one piece fewer would be over
+            assert share == 1 / kv_heads
+            assert grouped.memory_over_causal(share, pieces - 1, heads, kv_heads) > budget
 
 
-# Peak MiB of one fwd+bwd at 32K (16 heads of 128, C = 8192) on the H100, DCA's `auto` backward
-# in 1-5 pieces, then FA4 causal's (docs/results/dca_b2b_2026-11-27/pieces_b2b.txt)
+def test_head_groups_are_even_and_cover_every_head() -> None:
+    assert grouped.Split(3, 1).head_groups(16) == [
+        slice(0, 2), slice(2, 5), slice(5, 8), slice(8, 10), slice(10, 13), slice(13, 16)]
+    assert grouped.Split(1, 1).head_groups(4) == [slice(i, i + 1) for i in range(4)]
+    assert grouped.Split(4, 1).head_groups(4) == [slice(0, 4)]
+
+
+# Peak MiB of one fwd+bwd at 32K (16 heads of 128, C = 8192) on the H100, DCA's backward in
+# 1-5 pieces of rows (all heads at once), then FA4 causal's
+# (docs/results/dca_b2b_2026-11-27/pieces_b2b.txt)
 MEASURED_PEAKS = {16: ((1798, 1220, 1030, 931, 877), 774), 4: ((1638, 1060, 870, 771, 717), 710)}
 
 
 def test_memory_model_matches_the_measured_peaks() -> None:
     for kv_heads, (peaks, causal) in MEASURED_PEAKS.items():
         for count, peak in enumerate(peaks, 1):
-            model = grouped.memory_over_causal(count, 16, kv_heads)
+            model = grouped.memory_over_causal(1, count, 16, kv_heads)
             assert model == pytest.approx(peak / causal - 1, abs=0.02), (kv_heads, count)
 
 
@@ -131,16 +150,16 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(grouped, "forward", lambda *args: taken.append("forward") or (
         torch.zeros_like(args[0]), torch.zeros(args[0].shape[0], args[0].shape[2],
                                                args[0].shape[1], dtype=torch.float64)))
-    monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, out, lse, dout, rows:
-                        taken.append(f"backward({rows})") or (
+    monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, out, lse, dout, cut:
+                        taken.append(f"backward({cut.kv_heads}, {cut.rows})") or (
                             torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, backward="one_piece")
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
-    monkeypatch.setattr(grouped, "piece_rows", lambda seq, heads, kv_heads: 1)
+    monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 1))
     out.sum().backward()
-    assert taken == ["forward", "backward(64)"]  # in one piece, as planned
+    assert taken == ["forward", "backward(2, 64)"]  # in one piece, as planned
 
 
 def dense_kernel_forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
@@ -265,13 +284,13 @@ def rows_store_kv(sums: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv:
 
 
 @pytest.fixture
-def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """DCA's kernels (their stand-ins above), the backward's calls recorded as (query rows, key
-    rows), in pieces of any row count (BLOCK 1)."""
-    calls: list[tuple[int, int]] = []
+    rows, query heads), in pieces of any row count (BLOCK 1)."""
+    calls: list[tuple[int, int, int]] = []
 
     def recorded(q_rot, k_rot, *args):  # noqa: ANN001, ANN002, ANN202
-        calls.append((q_rot.shape[1], k_rot.shape[1]))
+        calls.append((q_rot.shape[1], k_rot.shape[1], q_rot.shape[2]))
         return dense_kernel_backward(q_rot, k_rot, *args)
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
     monkeypatch.setattr(grouped, "BLOCK", 1)
@@ -283,32 +302,39 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
 
 
 @pytest.mark.parametrize("budget", [5, 16, 23, 10_000])
-@pytest.mark.parametrize(("batch", "hq", "hk"), [(1, 2, 2), (1, 6, 2), (2, 4, 2)])
+@pytest.mark.parametrize("group_size", [1, 2, 8])  # key heads per group
+@pytest.mark.parametrize(("batch", "hq", "hk"), [(1, 2, 2), (1, 6, 2), (2, 4, 2), (1, 3, 3)])
 def test_kernel_backward_pieces_match_the_reference(
-        budget: int, batch: int, hq: int, hk: int, monkeypatch: pytest.MonkeyPatch,
-        kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
-    """The queries in even pieces of at most `budget` rows, the last first, each with the keys
-    up to its end; gradients (dq complete per piece, dk/dv summed over pieces) are the
-    reference's. 52 tokens with L = 7: 7 chunks and a tail."""
-    monkeypatch.setattr(grouped, "piece_rows", lambda seq, heads, kv_heads: budget)
+        budget: int, group_size: int, batch: int, hq: int, hk: int,
+        monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
+    """Key heads in even groups of at most `group_size` (each with its query heads), each
+    group's queries in even pieces of at most `budget` rows, the last first, each with the keys
+    up to its end; gradients (every head's from its group, dq complete per piece, dk/dv summed
+    over pieces) are the reference's. 52 tokens with L = 7: 7 chunks and a tail."""
+    monkeypatch.setattr(grouped, "split",
+                        lambda seq, heads, kv_heads: grouped.Split(group_size, budget))
     assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
+    groups = -(-hk // group_size)
+    sizes = [hk * (i + 1) // groups - hk * i // groups for i in range(groups)]
     size = -(-52 // -(-52 // budget))  # even pieces
-    expected = [(min(size, end), end) for end in range(52, 0, -size)]
-    assert max(rows for rows, _ in expected) <= budget
+    expected = [(min(size, end), end, kv * hq // hk) for kv in sizes
+                for end in range(52, 0, -size)]
+    assert max(rows for rows, _, _ in expected) <= budget
     assert kernel_backward_in_pieces == expected
 
 
 def test_kernel_backward_pieces_with_length_scaling(
         monkeypatch: pytest.MonkeyPatch,
-        kernel_backward_in_pieces: list[tuple[int, int]]) -> None:
+        kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
     """Llama 4's log scaling on the successive and inter parts: dq carries each part's factor
-    piece by piece."""
-    monkeypatch.setattr(grouped, "piece_rows", lambda seq, heads, kv_heads: 13)
+    piece by piece and head group by head group."""
+    monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 13))
     seq, chunk, local = 45, 11, 3
     factors = part_factors([log_factor(p, 0.3, 6) for p in range(seq)], "succ_inter")
     check(DCAScaling("log", "succ_inter", attn_scale=0.3, floor_scale=6), factors, seq, chunk,
           local)
-    assert len(kernel_backward_in_pieces) == 4
+    assert len(kernel_backward_in_pieces) == 4 * 2  # check's heads: 4 query, 2 key
 
 
 @pytest.mark.parametrize(("batch", "hq", "hk"), [(1, 2, 2), (1, 6, 2), (2, 4, 2)])

@@ -76,12 +76,13 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out, dout, v contiguous [b, s, h, d]. Where the
-    plan chose DCA's own kernels (grouped.paths): its backward kernel in one piece, or in
-    pieces of at most grouped.piece_rows query rows (grouped.backward)."""
+    plan chose DCA's own kernels (grouped.paths): its backward kernel in one piece, or in the
+    pieces of grouped.split (grouped.backward)."""
     if plan.paths.kernels:
-        seq = q.shape[1]
-        rows = seq if plan.paths.one_piece else grouped.piece_rows(seq, q.shape[2], k.shape[2])
-        return grouped.backward(plan, scale, q, k, v, out, lse, dout, rows)
+        seq, heads, heads_kv = q.shape[1], q.shape[2], k.shape[2]
+        cut = (grouped.Split(heads_kv, seq) if plan.paths.one_piece
+               else grouped.split(seq, heads, heads_kv))
+        return grouped.backward(plan, scale, q, k, v, out, lse, dout, cut)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])
     for b, start, n in plan.docs:

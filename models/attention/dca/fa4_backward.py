@@ -14,10 +14,11 @@ back) and the parts' dQ accumulators, rotated back and summed into dq in one pas
 (dq_parts.py, in place of FA4's postprocess).
 
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment): then the
-kernel gives those queries' complete dq and their share of dk and dv, so a long sequence's
-backward runs in pieces of query rows (grouped.backward) with bounded memory; a later piece's
-kernel adds its dK/dV to the earlier pieces' in place (TMA reduce-add stores, `_stores_add`),
-or with GQA every piece's into one pair of float32 sums (`kv_accumulators`, `store_kv`).
+kernel gives those queries' complete dq and their share of dk and dv, so a backward may run in
+pieces of query rows (grouped.backward, where groups of heads do not bound its memory enough):
+a later piece's kernel adds its dK/dV to the earlier pieces' in place (TMA reduce-add stores,
+`_stores_add`), or with GQA every piece's into one pair of float32 sums (`kv_accumulators`,
+`store_kv`).
 
 Needs the chunk length L and the query and key rows to be multiples of 128 (every tile then
 lies in one chunk, and only intra's diagonal tiles are partly masked, by the causal mask). FA4
@@ -113,8 +114,8 @@ def kv_accumulators(k_rot: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
 
 def store_kv(sums: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor,
              scale: float) -> None:
-    """dk (times the softmax scale) and dv [b, s_k, hk, d], contiguous, from kv_accumulators'
-    sums: FA4's postprocess, one rounding."""
+    """dk (times the softmax scale) and dv [b, s_k, hk, d] (views with a unit last stride),
+    from kv_accumulators' sums: FA4's postprocess, one rounding."""
     from flash_attn.cute import interface as fa  # with FA4 only
 
     cfg, multiple = _accumulator_layout(dk.shape[3], dv.shape[3])

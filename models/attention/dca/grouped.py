@@ -16,16 +16,20 @@ Where the kernels apply (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no pac
 the chunk length L and the sequence multiples of BLOCK (each tile then lies in one query chunk
 and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96 and 128.
 The forward holds every part's rotated q (three times q's size) for its one call. The backward
-holds, per query row, its three rotated copies and three float32 dQ accumulators (nine times
-the row's size in bf16), so under `dca_backward=auto` it runs in as few pieces of query rows as
-keep the backward's memory within MEMORY_OVER_CAUSAL of causal attention's (`pieces`: a fifth
-of the rows without GQA, a quarter with it); `one_piece` takes all rows at once (a few percent
-faster, ~2.3x the memory; docs/benchmarks.md).
+holds, per query row and head, its three rotated copies and three float32 dQ accumulators (nine
+times q's size in bf16), so under `dca_backward=auto` it runs in as few pieces as keep the
+backward's memory within MEMORY_OVER_CAUSAL of causal attention's (`split`): groups of key heads
+first (each with its query heads: every (head, key block) pair is still one block of one
+launch, as in causal attention), pieces of query rows only where one key head at a time is not
+enough (each row piece launches a block per key tile up to its end, and a block's fixed work
+costs ~9 us of an SM). `one_piece` takes everything at once (~2.3x the memory;
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -37,12 +41,9 @@ from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
-# The backward kernel's pieces under dca_backward=auto: as few as keep the backward's memory
-# within MEMORY_OVER_CAUSAL of causal attention's (`pieces`), never fewer than MIN_PIECE_ROWS
-# rows each (each piece launches a block per key tile up to its end, and each block's fixed
-# work costs ~9 us of an SM: a piece fewer is 0-1.5% faster at 32K, small pieces buy no memory
-# worth it). Measured: docs/benchmarks.md, "DCA's passes, its pieces, ..." and "Back to back,
-# pieces by memory, ...".
+# The backward's memory over causal attention's that dca_backward=auto allows (`split`), and the
+# fewest query rows of a row piece (small pieces buy no memory worth their blocks). Measured:
+# docs/benchmarks.md, "Back to back, pieces by memory, ..." and "The backward by head groups".
 MEMORY_OVER_CAUSAL = 0.15
 MIN_PIECE_ROWS = 4096
 BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
@@ -63,8 +64,8 @@ def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
 
 def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> KernelPaths:
     """Where DCA runs on q under the `dca_backward` setting: its kernels wherever they apply
-    (auto: the backward in pieces, `piece_rows`; one_piece: in one), else, or under parts, the
-    part calls."""
+    (auto: the backward in pieces, `split`; one_piece: in one), else, or under parts, the part
+    calls."""
     check_backward(backward)
     if backward == "parts" or not kernel_applies(q, length, packed):
         return KernelPaths()
@@ -76,29 +77,49 @@ def check_backward(backward: str) -> None:
         raise ValueError(f"dca_backward must be one of {' | '.join(BACKWARDS)}, got {backward!r}")
 
 
-def memory_over_causal(pieces: int, heads: int, kv_heads: int) -> float:
-    """How much more memory DCA's backward in `pieces` pieces of query rows takes than causal
-    attention's, as a fraction of causal's, by this model (per query row, in q rows, r =
-    kv_heads / heads): a piece holds its rows' three rotated copies and three float32 dQ
-    accumulators (9 per row of the piece); beside them DCA holds k rotated (r) and lacks causal
-    attention's float32 dQ accumulator (2); causal attention holds out, dq, dk, dv and that
-    accumulator, with GQA float32 dK/dV sums too (4 + 2r, + 4r). Checked against the peaks
-    measured at 32K (tests/models/test_dca_grouped.py)."""
+class Split(NamedTuple):
+    """How the backward kernel's work is cut: key heads in even groups of at most `kv_heads`
+    (each group with its query heads), each group's query rows in even pieces of at most
+    `rows`."""
+    kv_heads: int
+    rows: int
+
+    def head_groups(self, kv_heads: int) -> list[slice]:
+        """The key heads of each group, as even as the group size allows."""
+        count = -(-kv_heads // self.kv_heads)
+        bounds = [kv_heads * i // count for i in range(count + 1)]
+        return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
+
+
+def memory_over_causal(head_share: float, row_pieces: int, heads: int, kv_heads: int) -> float:
+    """How much more memory DCA's backward takes than causal attention's, as a fraction of
+    causal's, by this model, when a piece holds `head_share` of the heads and 1 / `row_pieces`
+    of the rows (per query row, in q rows, r = kv_heads / heads): a piece holds its three
+    rotated copies and three float32 dQ accumulators (9 per row and head of the piece); beside
+    them DCA holds k rotated (r) and lacks causal attention's float32 dQ accumulator (2); with
+    GQA its float32 dK/dV sums hold only the piece's key heads (4r x head_share against
+    causal's 4r). Causal attention holds out, dq, dk, dv and that accumulator, with GQA its
+    sums too (4 + 2r, + 4r). Checked against the peaks measured at 32K
+    (tests/models/test_dca_grouped.py)."""
     ratio = kv_heads / heads
-    causal = 4 + 2 * ratio + (4 * ratio if kv_heads < heads else 0)
-    return (9 / pieces + ratio - 2) / causal
+    gqa = kv_heads < heads
+    causal = 4 + 2 * ratio + (4 * ratio if gqa else 0)
+    sums_left_out = 4 * ratio * (1 - head_share) if gqa else 0
+    return (9 * head_share / row_pieces + ratio - 2 - sums_left_out) / causal
 
 
-def pieces(heads: int, kv_heads: int) -> int:
-    """The fewest pieces of query rows that keep DCA's backward within MEMORY_OVER_CAUSAL of
-    causal attention's memory: 5 with 16/16 heads (1.13x measured), 4 with 16/4 (1.09x)."""
-    return next(count for count in itertools.count(1)
-                if memory_over_causal(count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
-
-
-def piece_rows(seq: int, heads: int, kv_heads: int) -> int:
-    """The most query rows of one backward kernel piece under dca_backward=auto."""
-    return max(-(-seq // pieces(heads, kv_heads)), MIN_PIECE_ROWS)
+def split(seq: int, heads: int, kv_heads: int) -> Split:
+    """The backward's cut under dca_backward=auto: the fewest groups of key heads that keep its
+    memory within MEMORY_OVER_CAUSAL of causal attention's (6 groups of 16 heads without GQA, 4
+    with 16/4 or 32/8); where one key head per group is not enough (few heads), the fewest
+    pieces of query rows too, each at least MIN_PIECE_ROWS."""
+    for groups in range(1, kv_heads + 1):
+        size = -(-kv_heads // groups)
+        if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
+            return Split(size, seq)
+    pieces = next(count for count in itertools.count(2) if memory_over_causal(
+        1 / kv_heads, count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
+    return Split(1, max(-(-seq // pieces), MIN_PIECE_ROWS))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
@@ -114,40 +135,48 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
 
 
 def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, rows: int,
+             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, cut: Split,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of dual_chunk_attention through DCA's backward kernel; out, dout, v
-    contiguous [b, s, h, d].
+    """(dq, dk, dv) of dual_chunk_attention through DCA's backward kernel, in the pieces `cut`
+    says; out, dout, v contiguous [b, s, h, d].
 
-    The queries go in even pieces of at most `rows` rows (multiples of BLOCK), the last first,
-    each with the keys up to its end (the kernel's bottom-right causal alignment): a piece's dq
-    is complete (its parts' accumulators rotated back and summed, dq_parts.py); its dk and dv
-    add to the earlier pieces' in place (the first, reaching every key, writes them; with GQA
-    all add into float32 sums converted once at the end), dk in k_rot's frame until one
-    rotation back at the end. Only a piece's rotated q and its per-part dQ accumulators are
-    alive at a time.
+    A group of key heads (with its query heads) is a whole backward of its own: its dq, dk and
+    dv leave it complete, into views of the heads' slices. Within a group the queries go in even
+    pieces of at most `cut.rows` rows (multiples of BLOCK), the last first, each with the keys up
+    to its end (the kernel's bottom-right causal alignment): a piece's dq is complete (its
+    parts' accumulators rotated back and summed, dq_parts.py); its dk and dv add to the earlier
+    pieces' in place (the first, reaching every key, writes them; with GQA all add into float32
+    sums converted once at the end), dk in k_rot's frame until one rotation back at the end.
+    Only one piece's rotated q and per-part dQ accumulators are alive at a time.
     """
-    batch, seq = q.shape[:2]
-    count = -(-seq // max(rows, BLOCK))
+    batch, seq, heads = q.shape[:3]
+    heads_kv = k.shape[2]
+    group = heads // heads_kv
+    count = -(-seq // max(cut.rows, BLOCK))
     size = -(-seq // count // BLOCK) * BLOCK
     k_rot = plan.rotate_k(k)  # [b, s, hk, d]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk, dv = torch.empty_like(k_rot), torch.empty_like(v, memory_format=torch.contiguous_format)
-    # with GQA every piece adds its dK/dV into float32 sums, converted once after the last
-    sums = fa4_backward.kv_accumulators(k_rot, v) if k.shape[2] < q.shape[2] else None
-    for end in range(seq, 0, -size):
-        span = slice(max(end - size, 0), end)
-        q_rot = plan.rotate_parts(q, span)  # [p, b, n, hq, d]
-        key_grads = (dk[:, :end], dv[:, :end]) if sums is None else sums
-        dq_parts = fa4_backward.backward(
-            q_rot.flatten(0, 1), k_rot[:, :end], v[:, :end], out[:, span], dout[:, span],
-            lse[:, :, span], scale, plan.length, *key_grads, end < seq)
-        del q_rot
-        rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
-                    None if plan.q_scale is None else plan.q_scale[:, span], scale, dq[:, span])
-        del dq_parts  # before the next piece's kernel allocates its own
-    if sums is not None:
-        fa4_backward.store_kv(sums, dk, dv, scale)
+    for kv in cut.head_groups(heads_kv):
+        hq = slice(kv.start * group, kv.stop * group)
+        # with GQA every piece adds its dK/dV into float32 sums, converted once after the last
+        sums = (fa4_backward.kv_accumulators(k_rot[:, :, kv], v[:, :, kv]) if group > 1
+                else None)
+        for end in range(seq, 0, -size):
+            span = slice(max(end - size, 0), end)
+            q_rot = plan.rotate_parts(q[:, :, hq], span)  # [p, b, n, hq', d]
+            key_grads = (dk[:, :end, kv], dv[:, :end, kv]) if sums is None else sums
+            dq_parts = fa4_backward.backward(
+                q_rot.flatten(0, 1), k_rot[:, :end, kv], v[:, :end, kv], out[:, span, hq],
+                dout[:, span, hq], lse[:, hq, span], scale, plan.length, *key_grads, end < seq)
+            del q_rot
+            rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
+                        None if plan.q_scale is None else plan.q_scale[:, span], scale,
+                        dq[:, span, hq])
+            del dq_parts  # before the next piece's kernel allocates its own
+        if sums is not None:
+            fa4_backward.store_kv(sums, dk[:, :, kv], dv[:, :, kv], scale)
+            del sums
     for b in range(batch):
         rotate_transpose_sum([dk[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
     return dq, dk, dv

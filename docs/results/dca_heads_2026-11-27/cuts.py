@@ -1,0 +1,81 @@
+"""DCA (C = 8192, w = 1024) against FA4 causal, by how the backward kernel's work is cut
+(grouped.Split): groups of key heads, pieces of query rows, or both. Each sample is a pair, FA4
+causal then the cut, on the same inputs, one call each (synchronised) or 5 back to back; the
+ratio is FA4 causal's time over the cut's, median (min - max) of the pairs. Peak memory: one
+fwd+bwd, above what was allocated before it.
+
+    python3 docs/results/dca_heads_2026-11-27/cuts.py [--seq 32768] [--kv-heads 16,4] \
+        [--cuts auto,16x1,16x5,3x1,4x1,2x1] [--repeats 10]
+
+A cut "GxR": groups of at most G key heads, each group's rows in R pieces; "auto": grouped.split.
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from bench.attention import dca, fa4, fwd_bwd_step, inputs, time_ms
+from models.attention import kernels
+from models.attention.dca import grouped
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--seq", type=int, default=32768)
+parser.add_argument("--kv-heads", default="16,4")
+parser.add_argument("--cuts", default="auto,16x1,16x5,3x1,4x1,2x1")
+parser.add_argument("--repeats", type=int, default=10)
+parser.add_argument("--back-to-back", default="1,5")
+args = parser.parse_args()
+
+
+def with_cut(step, cut: str, kv_heads: int):  # noqa: ANN001, ANN202
+    """step with the backward cut as `cut` says (GxR or auto)."""
+    split = grouped.split
+    if cut == "auto":
+        chosen = split
+    else:
+        group, pieces = (int(x) for x in cut.split("x"))
+        def chosen(seq, heads, kv):  # noqa: ANN001, ANN202, E306
+            return grouped.Split(min(group, kv), -(-seq // pieces))
+
+    def run() -> object:
+        grouped.split = chosen
+        try:
+            with kernels.using("fa4"):
+                return step()
+        finally:
+            grouped.split = split
+    return run
+
+
+print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+for kv in (int(x) for x in args.kv_heads.split(",")):
+    problem = inputs(args.seq, 16, kv, 128)
+    base = with_cut(fwd_bwd_step(fa4(), problem), "auto", kv)
+    variant = dca(8192, 1024, kernel="fa4")
+    cuts = [c for c in args.cuts.split(",") if c == "auto" or int(c.split("x")[0]) <= kv]
+    configs = {c: with_cut(fwd_bwd_step(variant, problem), c, kv) for c in cuts}
+    print(f"16/{kv}: auto is {grouped.split(args.seq, 16, kv)}", flush=True)
+    for fn in (base, *configs.values()):
+        time_ms(fn, 3, 0)
+    peaks = {}
+    for name, fn in (("fa4", base), *configs.items()):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - start) / 2**20
+    for b2b in (int(x) for x in args.back_to_back.split(",")):
+        pairs = {c: [] for c in configs}
+        for _ in range(args.repeats):
+            for c, fn in configs.items():
+                pairs[c].append((time_ms(base, 0, 1, b2b)[0], time_ms(fn, 0, 1, b2b)[0]))
+        for c, samples in pairs.items():
+            ratios = [a / b for a, b in samples]
+            print(f"{args.seq} 16/{kv} calls/sample {b2b} cut {c}: FA4 causal "
+                  f"{statistics.median(a for a, _ in samples):.2f} ms, DCA "
+                  f"{statistics.median(b for _, b in samples):.2f} ms, ratio "
+                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f}), "
+                  f"peak {peaks[c]:.0f} MiB = {peaks[c] / peaks['fa4']:.2f}x FA4 causal's "
+                  f"{peaks['fa4']:.0f}", flush=True)
