@@ -22,6 +22,7 @@ from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
 from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
+from models.attention.dca import graphs as dca_graphs
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
@@ -146,6 +147,8 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
         q, length, packed, setting))  # dca_backward
     if request.param == "row pieces":
         monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 1024))
+    # graphs captured under another path's cut would replay it (the cache keys on the setting)
+    monkeypatch.setattr(dca_graphs, "_CACHE", {})
 
     def counting(module, name: str, key: str) -> None:  # noqa: ANN001
         fn = getattr(module, name)

@@ -127,11 +127,21 @@ def test_head_groups_are_even_and_cover_every_head() -> None:
 MEASURED_PEAKS = {16: ((1798, 1220, 1030, 931, 877), 774), 4: ((1638, 1060, 870, 771, 717), 710)}
 
 
+# The same, the backward in groups of at most G key heads (all rows at once): {kv_heads: ({G:
+# peak}, FA4 causal's)} (docs/results/dca_heads_2026-11-27/cuts_32k.txt)
+MEASURED_GROUP_PEAKS = {16: ({4: 931, 3: 859, 2: 786, 1: 714}, 774), 4: ({2: 996, 1: 675}, 710)}
+
+
 def test_memory_model_matches_the_measured_peaks() -> None:
     for kv_heads, (peaks, causal) in MEASURED_PEAKS.items():
         for count, peak in enumerate(peaks, 1):
             model = grouped.memory_over_causal(1, count, 16, kv_heads)
             assert model == pytest.approx(peak / causal - 1, abs=0.02), (kv_heads, count)
+    for kv_heads, (group_peaks, causal) in MEASURED_GROUP_PEAKS.items():
+        for size, peak in group_peaks.items():
+            largest = -(-kv_heads // -(-kv_heads // size))  # of the even groups
+            model = grouped.memory_over_causal(largest / kv_heads, 1, 16, kv_heads)
+            assert model == pytest.approx(peak / causal - 1, abs=0.02), (kv_heads, size)
 
 
 def test_dca_backward_setting_is_checked() -> None:
