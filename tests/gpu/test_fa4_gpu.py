@@ -131,21 +131,29 @@ def test_chunked(hk: int, packed: bool) -> None:
                    causal_mask(seq) & same, *_inputs(seq, 8, hk)))
 
 
+# How DCA runs under FA4 (`dca_path`): its kernels, the backward cut four ways, or the part calls
+DCA_KERNEL_PATHS = ["pieces", "row pieces", "head and row pieces", "one call"]
+DCA_PATHS = ["parts", *DCA_KERNEL_PATHS]
+
+
 @pytest.fixture
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group, both passes), "pieces" (DCA's own kernels, the backward over groups of heads:
-    dca_backward=auto), "row pieces" (the backward one key head at a time, over pieces of
-    1024 query rows) or "one call" (both kernels, the backward in one piece: one_piece);
-    checks that it ran."""
+    group, both passes), "pieces" (DCA's own kernels, the backward over groups of heads, as
+    dca_backward=auto cuts long sequences), "row pieces" (over pieces of 1024 query rows, all
+    heads at once, as auto cuts shorter ones), "head and row pieces" (one key head at a time,
+    each over pieces of 1024 rows) or "one call" (both kernels, the backward in one piece:
+    one_piece); checks that it ran."""
     taken = {"forward": 0, "backward": 0, "forward kernel": 0, "backward kernel": 0}
     paths = grouped.paths
-    setting = {"parts": "parts", "pieces": "auto", "row pieces": "auto",
-               "one call": "one_piece"}[request.param]
+    setting = "parts" if request.param == "parts" else (
+        "one_piece" if request.param == "one call" else "auto")
     monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
         q, length, packed, setting))  # dca_backward
-    if request.param == "row pieces":
+    monkeypatch.setattr(grouped, "MIN_GROUP_ROWS", 1024 if request.param == "pieces" else 10**9)
+    monkeypatch.setattr(grouped, "MIN_PIECE_ROWS", 1024)
+    if request.param == "head and row pieces":
         monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 1024))
     # graphs captured under another path's cut would replay it (the cache keys on the setting)
     monkeypatch.setattr(dca_graphs, "_CACHE", {})
@@ -184,7 +192,7 @@ def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None =
     return errors
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "pieces", "row pieces", "one call"],
+@pytest.mark.parametrize("dca_path", DCA_PATHS,
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])  # the two cuts of the inter backward (MHA, GQA)
 def test_dca(hk: int, dca_path: str) -> None:
@@ -193,7 +201,7 @@ def test_dca(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "row pieces", "one call"],
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS,
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
@@ -206,7 +214,7 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "row pieces", "one call"],
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS,
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
@@ -228,7 +236,7 @@ def test_dca_backward_in_uneven_head_groups(dca_path: str) -> None:
     _check(_dca_errors(*_inputs(2048, 16, 16), 512, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces", "row pieces", "one call"], indirect=True)
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)
 def test_dca_kernels_at_head_dim_96(dca_path: str) -> None:
     """FA4's configuration with P through shared memory in the forward and one dQ warpgroup in
     the backward, GQA."""
@@ -323,7 +331,7 @@ def test_dca_packed_takes_the_part_calls(hk: int, fa4_counted: dict[str, int]) -
     assert fa4_counted["fwd"] > 0 and fa4_counted["bwd"] > 0
 
 
-@pytest.mark.parametrize("dca_path", ["parts", "pieces", "row pieces", "one call"],
+@pytest.mark.parametrize("dca_path", DCA_PATHS,
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])
 def test_dca_replayed_as_cuda_graphs(hk: int, dca_path: str) -> None:

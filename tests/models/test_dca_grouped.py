@@ -91,15 +91,20 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
 
 
 def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
-    """Groups of key heads first (6 of 16 heads without GQA, 4 with 16/4 and 32/8), pieces
-    of rows only where one key head at a time is over the budget (16/1: a quarter of the rows,
-    never fewer than MIN_PIECE_ROWS); in each case the fewest within the budget."""
+    """From MIN_GROUP_ROWS on, groups of key heads first (6 of 16 heads without GQA, 4 with
+    16/4 and 32/8), pieces of rows only where one key head at a time is over the budget (16/1:
+    a quarter of the rows, never fewer than MIN_PIECE_ROWS); in each case the fewest within the
+    budget."""
     for seq in (32768, 131072):
         assert grouped.split(seq, 16, 16) == grouped.Split(3, seq)
         assert grouped.split(seq, 16, 4) == grouped.Split(1, seq)
         assert grouped.split(seq, 32, 8) == grouped.Split(2, seq)
         assert grouped.split(seq, 16, 1) == grouped.Split(1, seq // 4)
     assert grouped.split(8192, 16, 1) == grouped.Split(1, grouped.MIN_PIECE_ROWS)
+    # below MIN_GROUP_ROWS every head at once, in pieces of rows
+    assert grouped.split(8192, 16, 16) == grouped.Split(16, grouped.MIN_PIECE_ROWS)
+    assert grouped.split(16384, 16, 16) == grouped.Split(16, 4096)
+    assert grouped.split(16384, 16, 4) == grouped.Split(4, 4096)
     budget = grouped.MEMORY_OVER_CAUSAL
     for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1), (4, 4)):
         cut = grouped.split(32768, heads, kv_heads)

@@ -43,9 +43,15 @@ from models.attention.rope import rotate_transpose_sum
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
 # The backward's memory over causal attention's that dca_backward=auto allows (`split`), and the
 # fewest query rows of a row piece (small pieces buy no memory worth their blocks). Measured:
-# docs/benchmarks.md, "Back to back, pieces by memory, ..." and "The backward by head groups".
+# docs/benchmarks.md, "Back to back, pieces by memory, ..." and "The backward in groups of
+# heads".
 MEMORY_OVER_CAUSAL = 0.15
 MIN_PIECE_ROWS = 4096
+# Head groups only from this many rows on: each group is a launch whose last blocks (a key tile
+# meeting every query tile after it) outlast its other blocks when a head has fewer key tiles
+# than ~2 per SM, so on short sequences groups add a tail per launch (at 8K, 6 groups: 0.83x
+# cuDNN causal against 0.95x in 2 pieces of rows).
+MIN_GROUP_ROWS = 32768
 BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
 # The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py); at 72
 # FA4's SM90 backward machinery gave wrong gradients (docs/benchmarks.md). The rest take the
@@ -109,17 +115,20 @@ def memory_over_causal(head_share: float, row_pieces: int, heads: int, kv_heads:
 
 
 def split(seq: int, heads: int, kv_heads: int) -> Split:
-    """The backward's cut under dca_backward=auto: the fewest groups of key heads that keep its
-    memory within MEMORY_OVER_CAUSAL of causal attention's (6 groups of 16 heads without GQA, 4
-    with 16/4 or 32/8); where one key head per group is not enough (few heads), the fewest
-    pieces of query rows too, each at least MIN_PIECE_ROWS."""
-    for groups in range(1, kv_heads + 1):
-        size = -(-kv_heads // groups)
-        if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
-            return Split(size, seq)
-    pieces = next(count for count in itertools.count(2) if memory_over_causal(
-        1 / kv_heads, count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
-    return Split(1, max(-(-seq // pieces), MIN_PIECE_ROWS))
+    """The backward's cut under dca_backward=auto, within MEMORY_OVER_CAUSAL of causal
+    attention's memory by `memory_over_causal`: from MIN_GROUP_ROWS rows on, the fewest groups
+    of key heads (6 groups of 16 heads without GQA, 4 with 16/4 or 32/8), then, where one key
+    head per group is not enough (few heads), or on shorter sequences (all heads at once), the
+    fewest pieces of query rows, each at least MIN_PIECE_ROWS."""
+    size = kv_heads
+    if seq >= MIN_GROUP_ROWS:
+        for groups in range(1, kv_heads + 1):
+            size = -(-kv_heads // groups)
+            if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
+                return Split(size, seq)
+    pieces = next(count for count in itertools.count(1) if memory_over_causal(
+        size / kv_heads, count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
+    return Split(size, max(-(-seq // pieces), MIN_PIECE_ROWS))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
