@@ -73,9 +73,11 @@ def attention_goals(result: dict[str, Any], variant: str) -> list[dict[str, Any]
 def train_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gpt_1p3b MFU per (attention, length) with a goal, noted with the SM clock and power it
     ran at, and DCA's within MFU_GAP of standard's at each length; the default path's rows
-    (variant `auto` where the run has variants)."""
+    (variant `auto` where the run has variants; bench/train.py names a run without them
+    "-")."""
     mfu = {(r["attention"], r["seq"]): r for r in rows if r.get("model") == "gpt_1p3b"
-           and (r.get("attention"), r.get("seq")) in MFU and r.get("variant", "auto") == "auto"}
+           and (r.get("attention"), r.get("seq")) in MFU
+           and r.get("variant", "auto") in ("auto", "-")}
     checks = [check(f"gpt_1p3b {attention} {seq} MFU", r.get("mfu"), ">=",
                     MFU[attention, seq], describe(r.get("gpu_power")))
               for (attention, seq), r in mfu.items()]

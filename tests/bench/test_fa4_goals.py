@@ -77,6 +77,8 @@ def test_train_goals_and_the_command_line(tmp_path: Path) -> None:
                       "gpt_1p3b 32768 MFU, standard's minus DCA's": False,  # 1.2 points
                       "gpt_1p3b dca 131072 MFU": True,
                       "gpt_1p3b 131072 MFU, standard's minus DCA's": False}  # no standard
+    plain = [{**row, "variant": "-"} for row in train["results"] if row["variant"] == "auto"]
+    assert fa4_goals.train_goals(plain) == fa4_goals.train_goals(train["results"])  # no variants
     for name, data in (("long", LONG), ("small", SMALL_ROWS), ("train", train)):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     out = subprocess.run([sys.executable, "bench/fa4_goals.py",
