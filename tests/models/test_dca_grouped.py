@@ -103,8 +103,8 @@ def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
     assert grouped.split(8192, 16, 1) == grouped.Split(1, grouped.MIN_PIECE_ROWS)
     # below MIN_GROUP_ROWS every head at once, in pieces of rows
     assert grouped.split(8192, 16, 16) == grouped.Split(16, grouped.MIN_PIECE_ROWS)
-    assert grouped.split(16384, 16, 16) == grouped.Split(16, 4096)
-    assert grouped.split(16384, 16, 4) == grouped.Split(4, 4096)
+    assert grouped.split(16384, 16, 16) == grouped.Split(16, 8192)
+    assert grouped.split(16384, 16, 4) == grouped.Split(4, 8192)
     budget = grouped.MEMORY_OVER_CAUSAL
     for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1), (4, 4)):
         cut = grouped.split(32768, heads, kv_heads)

@@ -42,11 +42,12 @@ from models.attention.rope import rotate_transpose_sum
 
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
 # The backward's memory over causal attention's that dca_backward=auto allows (`split`), and the
-# fewest query rows of a row piece (small pieces buy no memory worth their blocks). Measured:
-# docs/benchmarks.md, "Back to back, pieces by memory, ..." and "The backward in groups of
-# heads".
+# fewest query rows of a row piece: a piece of fewer rows saves under ~0.1 GB (16 heads of 128)
+# and costs its own launches, ~0.35 ms of host time (at 8K, where DCA is host-bound, in 2
+# pieces). Measured: docs/benchmarks.md, "Back to back, pieces by memory, ..." and "The
+# backward in groups of heads".
 MEMORY_OVER_CAUSAL = 0.15
-MIN_PIECE_ROWS = 4096
+MIN_PIECE_ROWS = 8192
 # Head groups only from this many rows on: each group is a launch whose last blocks (a key tile
 # meeting every query tile after it) outlast its other blocks when a head has fewer key tiles
 # than ~2 per SM, so on short sequences groups add a tail per launch (at 8K, 6 groups: 0.83x
