@@ -65,8 +65,9 @@ class AttentionConfig:
     dca_scaling_floor_scale: int = 8192  # log only
     dca_scaling_original_length: int | None = None  # yarn only; None: dca_chunk_size
     # DCA under FA4, where its own kernels apply (models/attention/dca/grouped.py): auto (both
-    # kernels, the backward in pieces of query rows: bounded memory) | one_piece (the backward in
-    # one piece: a few percent faster, ~2.3x the attention's memory) | parts (the part calls)
+    # kernels, the backward in groups of heads or pieces of query rows: bounded memory) |
+    # one_piece (the backward in one piece: ~1% faster at 32K, ~2.3x the attention's memory) |
+    # parts (the part calls)
     dca_backward: str = "auto"
     chunk_size: int = 8192
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)

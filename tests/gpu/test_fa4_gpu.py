@@ -151,10 +151,10 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
         "one_piece" if request.param == "one call" else "auto")
     monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
         q, length, packed, setting))  # dca_backward
-    monkeypatch.setattr(grouped, "MIN_GROUP_ROWS", 1024 if request.param == "pieces" else 10**9)
+    monkeypatch.setattr(grouped, "MIN_GROUP_BLOCKS", 1 if request.param == "pieces" else 10**9)
     monkeypatch.setattr(grouped, "MIN_PIECE_ROWS", 1024)
     if request.param == "head and row pieces":
-        monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 1024))
+        monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 1024))
     # graphs captured under another path's cut would replay it (the cache keys on the setting)
     monkeypatch.setattr(dca_graphs, "_CACHE", {})
 
@@ -231,7 +231,7 @@ def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
 def test_dca_backward_in_uneven_head_groups(dca_path: str) -> None:
     """16 heads without GQA: auto's six groups of 2 or 3 heads, head slices at odd offsets into
     q, out, dout and the gradients."""
-    assert [g.stop - g.start for g in grouped.split(2048, 16, 16).head_groups(16)] == [
+    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16).head_groups(16)] == [
         2, 3, 3, 2, 3, 3]
     _check(_dca_errors(*_inputs(2048, 16, 16), 512, 128))
 

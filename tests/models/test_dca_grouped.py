@@ -91,31 +91,32 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
 
 
 def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
-    """From MIN_GROUP_ROWS on, groups of key heads first (6 of 16 heads without GQA, 4 with
-    16/4 and 32/8), pieces of rows only where one key head at a time is over the budget (16/1:
-    a quarter of the rows, never fewer than MIN_PIECE_ROWS); in each case the fewest within the
+    """Groups of key heads where each launches at least MIN_GROUP_BLOCKS blocks (6 of 16 heads
+    without GQA, 4 with 16/4 and 32/8), else all heads at once in pieces of rows (16/1; short
+    sequences), never fewer than MIN_PIECE_ROWS rows; in each case the fewest within the
     budget."""
+    split, cut_of = grouped.split, grouped.Split
     for seq in (32768, 131072):
-        assert grouped.split(seq, 16, 16) == grouped.Split(3, seq)
-        assert grouped.split(seq, 16, 4) == grouped.Split(1, seq)
-        assert grouped.split(seq, 32, 8) == grouped.Split(2, seq)
-        assert grouped.split(seq, 16, 1) == grouped.Split(1, seq // 4)
-    assert grouped.split(8192, 16, 1) == grouped.Split(1, grouped.MIN_PIECE_ROWS)
-    # below MIN_GROUP_ROWS every head at once, in pieces of rows
-    assert grouped.split(8192, 16, 16) == grouped.Split(16, grouped.MIN_PIECE_ROWS)
-    assert grouped.split(16384, 16, 16) == grouped.Split(16, 8192)
-    assert grouped.split(16384, 16, 4) == grouped.Split(4, 8192)
+        assert split(1, seq, 16, 16) == cut_of(3, seq)
+        assert split(1, seq, 16, 4) == cut_of(1, seq)
+        assert split(1, seq, 32, 8) == cut_of(2, seq)
+        assert split(1, seq, 16, 1) == cut_of(1, seq // 4)
+    assert split(1, 16384, 16, 16) == cut_of(16, 8192)  # groups of 3 heads: 384 blocks
+    assert split(2, 16384, 16, 16) == cut_of(3, 16384)  # batch 2: 768 blocks
+    assert split(1, 16384, 16, 4) == cut_of(1, 16384)  # one key head, 4 query heads: 512
+    for kv_heads in (16, 4, 1):  # 8K: one piece
+        assert split(1, 8192, 16, kv_heads) == cut_of(kv_heads, grouped.MIN_PIECE_ROWS)
     budget = grouped.MEMORY_OVER_CAUSAL
-    for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1), (4, 4)):
-        cut = grouped.split(32768, heads, kv_heads)
+    for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1)):
+        cut = split(1, 32768, heads, kv_heads)
         groups, pieces = len(cut.head_groups(kv_heads)), -(-32768 // cut.rows)
         share = cut.kv_heads / kv_heads
         assert grouped.memory_over_causal(share, pieces, heads, kv_heads) <= budget
         if pieces == 1:  # one group fewer would be over
             fewer = -(-kv_heads // (groups - 1)) / kv_heads
             assert grouped.memory_over_causal(fewer, 1, heads, kv_heads) > budget
-        else:  # one key head per group, one piece fewer would be over
-            assert share == 1 / kv_heads
+        else:  # all heads at once, one piece fewer would be over
+            assert share == 1
             assert grouped.memory_over_causal(share, pieces - 1, heads, kv_heads) > budget
 
 
@@ -172,7 +173,7 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
                for _ in range(3))
     out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, backward="one_piece")
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
-    monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 1))
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 1))
     out.sum().backward()
     assert taken == ["forward", "backward(2, 64)"]  # in one piece, as planned
 
@@ -327,8 +328,7 @@ def test_kernel_backward_pieces_match_the_reference(
     group's queries in even pieces of at most `budget` rows, the last first, each with the keys
     up to its end; gradients (every head's from its group, dq complete per piece, dk/dv summed
     over pieces) are the reference's. 52 tokens with L = 7: 7 chunks and a tail."""
-    monkeypatch.setattr(grouped, "split",
-                        lambda seq, heads, kv_heads: grouped.Split(group_size, budget))
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(group_size, budget))
     assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
     groups = -(-hk // group_size)
     sizes = [hk * (i + 1) // groups - hk * i // groups for i in range(groups)]
@@ -344,7 +344,7 @@ def test_kernel_backward_pieces_with_length_scaling(
         kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
     """Llama 4's log scaling on the successive and inter parts: dq carries each part's factor
     piece by piece and head group by head group."""
-    monkeypatch.setattr(grouped, "split", lambda seq, heads, kv_heads: grouped.Split(1, 13))
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 13))
     seq, chunk, local = 45, 11, 3
     factors = part_factors([log_factor(p, 0.3, 6) for p in range(seq)], "succ_inter")
     check(DCAScaling("log", "succ_inter", attn_scale=0.3, floor_scale=6), factors, seq, chunk,

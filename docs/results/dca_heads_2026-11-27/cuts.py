@@ -8,6 +8,8 @@ fwd+bwd, above what was allocated before it.
         [--cuts auto,16x1,16x5,3x1,4x1,2x1] [--repeats 10]
 
 A cut "GxR": groups of at most G key heads, each group's rows in R pieces; "auto": grouped.split.
+(Run at 970c025 and 1ba2609, whose split took (seq, heads, kv_heads) and chose groups from 32K
+rows on, before MIN_GROUP_BLOCKS; the "auto" rows are those commits' rule.)
 """
 
 import argparse
@@ -35,7 +37,7 @@ def with_cut(step, cut: str, kv_heads: int):  # noqa: ANN001, ANN202
         chosen = split
     else:
         group, pieces = (int(x) for x in cut.split("x"))
-        def chosen(seq, heads, kv):  # noqa: ANN001, ANN202, E306
+        def chosen(batch, seq, heads, kv):  # noqa: ANN001, ANN202, E306
             return grouped.Split(min(group, kv), -(-seq // pieces))
 
     def run() -> object:
@@ -55,7 +57,7 @@ for kv in (int(x) for x in args.kv_heads.split(",")):
     variant = dca(8192, 1024, kernel="fa4")
     cuts = [c for c in args.cuts.split(",") if c == "auto" or int(c.split("x")[0]) <= kv]
     configs = {c: with_cut(fwd_bwd_step(variant, problem), c, kv) for c in cuts}
-    print(f"16/{kv}: auto is {grouped.split(args.seq, 16, kv)}", flush=True)
+    print(f"16/{kv}: auto is {grouped.split(1, args.seq, 16, kv)}", flush=True)
     for fn in (base, *configs.values()):
         time_ms(fn, 3, 0)
     peaks = {}

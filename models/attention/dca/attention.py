@@ -145,8 +145,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `cuda_graphs`: replay the forward and backward as CUDA graphs captured per shape
     (graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
     `backward`: under FA4, auto | one_piece | parts (grouped.paths: DCA's own kernels where they
-    apply, the backward in pieces of query rows, bounding its memory, or in one piece, a few
-    percent faster; parts: the part calls both ways).
+    apply, the backward in groups of heads or pieces of query rows, bounding its memory
+    (grouped.split), or in one piece, ~1% faster at 32K; parts: the part calls both ways).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)

@@ -79,9 +79,9 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
     plan chose DCA's own kernels (grouped.paths): its backward kernel in one piece, or in the
     pieces of grouped.split (grouped.backward)."""
     if plan.paths.kernels:
-        seq, heads, heads_kv = q.shape[1], q.shape[2], k.shape[2]
+        batch, seq, heads, heads_kv = *q.shape[:3], k.shape[2]
         cut = (grouped.Split(heads_kv, seq) if plan.paths.one_piece
-               else grouped.split(seq, heads, heads_kv))
+               else grouped.split(batch, seq, heads, heads_kv))
         return grouped.backward(plan, scale, q, k, v, out, lse, dout, cut)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])

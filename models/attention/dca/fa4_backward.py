@@ -15,7 +15,8 @@ back) and the parts' dQ accumulators, rotated back and summed into dq in one pas
 
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment): then the
 kernel gives those queries' complete dq and their share of dk and dv, so a backward may run in
-pieces of query rows (grouped.backward, where groups of heads do not bound its memory enough):
+pieces of query rows (grouped.backward, on short sequences or where groups of heads do not
+bound its memory enough):
 a later piece's kernel adds its dK/dV to the earlier pieces' in place (TMA reduce-add stores,
 `_stores_add`), or with GQA every piece's into one pair of float32 sums (`kv_accumulators`,
 `store_kv`).

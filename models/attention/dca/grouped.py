@@ -18,12 +18,12 @@ and one key chunk: only intra's diagonal tiles are partly masked), head dims 64,
 The forward holds every part's rotated q (three times q's size) for its one call. The backward
 holds, per query row and head, its three rotated copies and three float32 dQ accumulators (nine
 times q's size in bf16), so under `dca_backward=auto` it runs in as few pieces as keep the
-backward's memory within MEMORY_OVER_CAUSAL of causal attention's (`split`): groups of key heads
-first (each with its query heads: every (head, key block) pair is still one block of one
-launch, as in causal attention), pieces of query rows only where one key head at a time is not
-enough (each row piece launches a block per key tile up to its end, and a block's fixed work
-costs ~9 us of an SM). `one_piece` takes everything at once (~2.3x the memory;
-docs/benchmarks.md).
+backward's memory within MEMORY_OVER_CAUSAL of causal attention's (`split`): groups of key
+heads, each with its query heads, where each group launches at least MIN_GROUP_BLOCKS blocks
+(every (head, key block) pair is then still one block of one launch, as in causal attention;
+a piece of rows launches a block per key tile up to its end, and a block's fixed work costs ~9
+us of an SM); else, on short sequences or with too few heads, pieces of query rows of all
+heads. `one_piece` takes everything at once (~2.3x the memory; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ from models.attention.rope import rotate_transpose_sum
 BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
 # The backward's memory over causal attention's that dca_backward=auto allows (`split`), and the
 # fewest query rows of a row piece: a piece of fewer rows saves under ~0.1 GB (16 heads of 128)
-# and costs its own launches, ~0.35 ms of host time (at 8K, where DCA is host-bound, in 2
-# pieces). Measured: docs/benchmarks.md, "Back to back, pieces by memory, ..." and "The
-# backward in groups of heads".
+# and costs its own launches (at 8K, C = 2048, where DCA is host-bound, 2.35 ms a call in 2
+# pieces, 2.04 in one). Measured: docs/benchmarks.md, "Back to back, pieces by memory, ..." and
+# "The backward in groups of heads".
 MEMORY_OVER_CAUSAL = 0.15
 MIN_PIECE_ROWS = 8192
-# Head groups only from this many rows on: each group is a launch whose last blocks (a key tile
-# meeting every query tile after it) outlast its other blocks when a head has fewer key tiles
-# than ~2 per SM, so on short sequences groups add a tail per launch (at 8K, 6 groups: 0.83x
-# cuDNN causal against 0.95x in 2 pieces of rows).
-MIN_GROUP_ROWS = 32768
+# The fewest blocks (query heads x batch x key tiles) a group of heads may launch: a launch of
+# fewer ends in a tail of its longest blocks (a key tile meets every query tile after it).
+# Measured at 16K: 3 heads (384 blocks) 0.77x of FA4 causal against 0.86x for all heads in 2
+# pieces of rows; one key head of 16/4 (512 blocks) 0.89x against 0.84x in 4 pieces of rows.
+MIN_GROUP_BLOCKS = 512
 BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
 # The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py); at 72
 # FA4's SM90 backward machinery gave wrong gradients (docs/benchmarks.md). The rest take the
@@ -115,21 +115,22 @@ def memory_over_causal(head_share: float, row_pieces: int, heads: int, kv_heads:
     return (9 * head_share / row_pieces + ratio - 2 - sums_left_out) / causal
 
 
-def split(seq: int, heads: int, kv_heads: int) -> Split:
+def split(batch: int, seq: int, heads: int, kv_heads: int) -> Split:
     """The backward's cut under dca_backward=auto, within MEMORY_OVER_CAUSAL of causal
-    attention's memory by `memory_over_causal`: from MIN_GROUP_ROWS rows on, the fewest groups
-    of key heads (6 groups of 16 heads without GQA, 4 with 16/4 or 32/8), then, where one key
-    head per group is not enough (few heads), or on shorter sequences (all heads at once), the
+    attention's memory by `memory_over_causal`: the fewest groups of key heads (6 groups of 16
+    heads without GQA, 4 with 16/4 or 32/8) where each group launches at least
+    MIN_GROUP_BLOCKS blocks; else (short sequences, or too few heads) all heads at once in the
     fewest pieces of query rows, each at least MIN_PIECE_ROWS."""
-    size = kv_heads
-    if seq >= MIN_GROUP_ROWS:
-        for groups in range(1, kv_heads + 1):
-            size = -(-kv_heads // groups)
-            if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
-                return Split(size, seq)
+    blocks_per_head = batch * -(-seq // BLOCK) * (heads // kv_heads)  # per key head of a group
+    for groups in range(1, kv_heads + 1):
+        size = -(-kv_heads // groups)
+        if size * blocks_per_head < MIN_GROUP_BLOCKS:
+            break
+        if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
+            return Split(size, seq)
     pieces = next(count for count in itertools.count(1) if memory_over_causal(
-        size / kv_heads, count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
-    return Split(size, max(-(-seq // pieces), MIN_PIECE_ROWS))
+        1, count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
+    return Split(kv_heads, max(-(-seq // pieces), MIN_PIECE_ROWS))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,

@@ -20,7 +20,7 @@ from models.rope_scaling import RopeScaling
 class KernelPaths(NamedTuple):
     """How one DCA call runs, chosen by grouped.paths: through DCA's own FA4 kernels
     (fa4_forward.py, fa4_backward.py) or the part calls, and the backward kernel over all
-    query rows at once or in pieces of query rows."""
+    heads and query rows at once or in the pieces of grouped.split."""
     kernels: bool = False
     one_piece: bool = False
 
