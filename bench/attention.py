@@ -241,19 +241,25 @@ def _measure(variant: Variant, seq: int, heads: int, kv_heads: int, dim: int,
     fwd_bwd_times = time_ms(forward_backward, args.warmup, args.repeats, args.back_to_back)
     fwd, fwd_bwd = statistics.median(fwd_times), statistics.median(fwd_bwd_times)
     host_ms = host_time_ms(forward_backward)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    forward_backward()
-    torch.cuda.synchronize()
+    peak = peak_mib(forward_backward)
     flops = variant.flops_fwd(1, heads, seq, dim)
     return {"variant": variant.name, "seq": seq, "heads": heads, "kv_heads": kv_heads,
             "head_dim": dim, "back_to_back": args.back_to_back, "fwd_ms": fwd,
             "fwd_bwd_ms": fwd_bwd, "fwd_bwd_host_ms": host_ms,
             "fwd_min_ms": min(fwd_times), "fwd_bwd_min_ms": min(fwd_bwd_times),
             "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
-            "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+            "peak_mib": peak,
             "peak_complete": variant.peak_complete, "kernel": variant.kernel}
+
+
+def peak_mib(step: Callable[[], object]) -> float:
+    """The most memory one call of `step` allocates above what was allocated before it, MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def alternating_ratios(base: Callable[[], object], other: Callable[[], object], warmup: int,

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from bench.attention import dca, fa4, fwd_bwd_step, inputs, time_ms
+from bench.attention import dca, fa4, fwd_bwd_step, inputs, peak_mib, time_ms
 from models.attention import kernels
 from models.attention.dca import grouped
 
@@ -60,14 +60,7 @@ for kv in (int(x) for x in args.kv_heads.split(",")):
     print(f"16/{kv}: auto is {grouped.split(1, args.seq, 16, kv)}", flush=True)
     for fn in (base, *configs.values()):
         time_ms(fn, 3, 0)
-    peaks = {}
-    for name, fn in (("fa4", base), *configs.items()):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        peaks[name] = (torch.cuda.max_memory_allocated() - start) / 2**20
+    peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *configs.items())}
     for b2b in (int(x) for x in args.back_to_back.split(",")):
         pairs = {c: [] for c in configs}
         for _ in range(args.repeats):
