@@ -16,10 +16,9 @@ back) and the parts' dQ accumulators, rotated back and summed into dq in one pas
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment): then the
 kernel gives those queries' complete dq and their share of dk and dv, so a backward may run in
 pieces of query rows (grouped.backward, on short sequences or where groups of heads do not
-bound its memory enough):
-a later piece's kernel adds its dK/dV to the earlier pieces' in place (TMA reduce-add stores,
-`_stores_add`), or with GQA every piece's into one pair of float32 sums (`kv_accumulators`,
-`store_kv`).
+bound its memory enough): a later piece's kernel adds its dK/dV to the earlier pieces' in place
+(TMA reduce-add stores, `_stores_add`), or with GQA every piece's into one pair of float32 sums
+(`kv_accumulators`, `store_kv`). A group of heads is one such backward on views of its heads.
 
 Needs the chunk length L and the query and key rows to be multiples of 128 (every tile then
 lies in one chunk, and only intra's diagonal tiles are partly masked, by the causal mask). FA4
