@@ -132,29 +132,32 @@ def test_chunked(hk: int, packed: bool) -> None:
 
 
 # How DCA runs under FA4 (`dca_path`): its kernels, the backward cut four ways, or the part calls
-DCA_KERNEL_PATHS = ["pieces", "row pieces", "head and row pieces", "one call"]
+DCA_KERNEL_PATHS = ["head groups", "row pieces", "head and row pieces", "one call"]
 DCA_PATHS = ["parts", *DCA_KERNEL_PATHS]
+# The backward's cut per path (grouped.Split for (batch, seq, heads, kv_heads)): one key head
+# per group (as auto cuts long sequences), all heads in pieces of 1024 rows (as auto cuts short
+# ones), or both
+CUTS = {"head groups": lambda batch, seq, heads, kv_heads: grouped.Split(1, seq),
+        "row pieces": lambda batch, seq, heads, kv_heads: grouped.Split(kv_heads, 1024),
+        "head and row pieces": lambda batch, seq, heads, kv_heads: grouped.Split(1, 1024)}
+AUTO_SPLIT = grouped.split
 
 
 @pytest.fixture
 def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
              fa4_counted: dict[str, int]) -> Iterator[str]:
     """DCA through FA4 one way (the parameter): "parts" (a kernel call per part and chunk
-    group, both passes), "pieces" (DCA's own kernels, the backward over groups of heads, as
-    dca_backward=auto cuts long sequences), "row pieces" (over pieces of 1024 query rows, all
-    heads at once, as auto cuts shorter ones), "head and row pieces" (one key head at a time,
-    each over pieces of 1024 rows) or "one call" (both kernels, the backward in one piece:
-    one_piece); checks that it ran."""
+    group, both passes), one of CUTS (DCA's own kernels, the backward cut so, under
+    dca_backward=auto) or "one call" (both kernels, the backward in one piece: one_piece);
+    checks that it ran."""
     taken = {"forward": 0, "backward": 0, "forward kernel": 0, "backward kernel": 0}
     paths = grouped.paths
     setting = "parts" if request.param == "parts" else (
         "one_piece" if request.param == "one call" else "auto")
     monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
         q, length, packed, setting))  # dca_backward
-    monkeypatch.setattr(grouped, "MIN_GROUP_BLOCKS", 1 if request.param == "pieces" else 10**9)
-    monkeypatch.setattr(grouped, "MIN_PIECE_ROWS", 1024)
-    if request.param == "head and row pieces":
-        monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 1024))
+    if request.param in CUTS:
+        monkeypatch.setattr(grouped, "split", CUTS[request.param])
     # graphs captured under another path's cut would replay it (the cache keys on the setting)
     monkeypatch.setattr(dca_graphs, "_CACHE", {})
 
@@ -177,7 +180,7 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
         assert fa4_counted == {"fwd": 0, "bwd": 0} and all(taken.values())
         assert taken["forward kernel"] == taken["forward"]  # one call
         pieces = taken["backward kernel"] / taken["backward"]
-        assert pieces > 1 if "pieces" in request.param else pieces == 1
+        assert pieces > 1 if request.param in CUTS else pieces == 1
 
 
 def _dca_errors(q, k, v, dout, chunk: int, local: int, cu: torch.Tensor | None = None,  # noqa: ANN001
@@ -227,10 +230,14 @@ def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
     _check(_dca_errors(q, k, v, dout, 512, 128))
 
 
-@pytest.mark.parametrize("dca_path", ["pieces"], indirect=True)
-def test_dca_backward_in_uneven_head_groups(dca_path: str) -> None:
-    """16 heads without GQA: auto's six groups of 2 or 3 heads, head slices at odd offsets into
-    q, out, dout and the gradients."""
+@pytest.mark.parametrize("dca_path", ["head groups"], indirect=True)
+def test_dca_backward_in_uneven_head_groups(dca_path: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 heads without GQA: auto's own cut, six groups of 2 or 3 heads (its floor of blocks
+    per launch lifted for this short sequence), head slices at odd offsets into q, out, dout
+    and the gradients."""
+    monkeypatch.setattr(grouped, "split", AUTO_SPLIT)
+    monkeypatch.setattr(grouped, "MIN_GROUP_BLOCKS", 1)
     assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16).head_groups(16)] == [
         2, 3, 3, 2, 3, 3]
     _check(_dca_errors(*_inputs(2048, 16, 16), 512, 128))
