@@ -8,7 +8,7 @@
 #   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
 #           C = 2048 and 32K C = 8192, one call per sample
 #   inplace DCA's kernels as the default (attention.dca_backward=auto: the backward kernel in
-#           pieces, dK/dV added in place, dQ rotated back in one pass) against one_piece and
+#           groups of heads or pieces of rows, dQ rotated back in one pass) against one_piece and
 #           the part calls: 8K C = 2048 back to back; 32K and 128K with a profile of auto at
 #           32K and every variant's ratio to FA4 causal in alternating pairs (--paired)
 #   goals   gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K, then issue 32's goals
