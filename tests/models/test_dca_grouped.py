@@ -110,7 +110,7 @@ def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
     for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1)):
         cut = split(1, 32768, heads, kv_heads)
         groups, pieces = len(cut.head_groups(kv_heads)), -(-32768 // cut.rows)
-        share = cut.kv_heads / kv_heads
+        share = cut.kv_per_group / kv_heads
         assert grouped.memory_over_causal(share, pieces, heads, kv_heads) <= budget
         if pieces == 1:  # one group fewer would be over
             fewer = -(-kv_heads // (groups - 1)) / kv_heads
@@ -167,7 +167,7 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
         torch.zeros_like(args[0]), torch.zeros(args[0].shape[0], args[0].shape[2],
                                                args[0].shape[1], dtype=torch.float64)))
     monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, out, lse, dout, cut:
-                        taken.append(f"backward({cut.kv_heads}, {cut.rows})") or (
+                        taken.append(f"backward({cut.kv_per_group}, {cut.rows})") or (
                             torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
                for _ in range(3))

@@ -85,15 +85,15 @@ def check_backward(backward: str) -> None:
 
 
 class Split(NamedTuple):
-    """How the backward kernel's work is cut: key heads in even groups of at most `kv_heads`
-    (each group with its query heads), each group's query rows in even pieces of at most
-    `rows`."""
-    kv_heads: int
+    """How the backward kernel's work is cut: key heads in even groups of at most
+    `kv_per_group` (each group with its query heads), each group's query rows in even pieces of
+    at most `rows`."""
+    kv_per_group: int
     rows: int
 
     def head_groups(self, kv_heads: int) -> list[slice]:
         """The key heads of each group, as even as the group size allows."""
-        count = -(-kv_heads // self.kv_heads)
+        count = -(-kv_heads // self.kv_per_group)
         bounds = [kv_heads * i // count for i in range(count + 1)]
         return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
 
@@ -121,10 +121,10 @@ def split(batch: int, seq: int, heads: int, kv_heads: int) -> Split:
     heads without GQA, 4 with 16/4 or 32/8) where each group launches at least
     MIN_GROUP_BLOCKS blocks; else (short sequences, or too few heads) all heads at once in the
     fewest pieces of query rows, each at least MIN_PIECE_ROWS."""
-    blocks_per_head = batch * -(-seq // BLOCK) * (heads // kv_heads)  # per key head of a group
+    blocks_per_kv_head = batch * -(-seq // BLOCK) * (heads // kv_heads)  # its query heads' blocks
     for groups in range(1, kv_heads + 1):
         size = -(-kv_heads // groups)
-        if size * blocks_per_head < MIN_GROUP_BLOCKS:
+        if size * blocks_per_kv_head < MIN_GROUP_BLOCKS:
             break
         if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
             return Split(size, seq)
