@@ -262,16 +262,36 @@ def peak_mib(step: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def alternating_samples(base: Callable[[], object], others: dict[str, Callable[[], object]],
+                        warmup: int, repeats: int, back_to_back: int = 1,
+                        ) -> dict[str, list[tuple[float, float]]]:
+    """(base's ms, the other's ms) per sample for each of `others`: every sample a pair timed
+    in turn (base, then the other), the others' pairs interleaved in each repeat, so each pair
+    meets the same clocks and power state, which drift between separate runs by more than the
+    ratios a goal asks about. Everything is warmed up first."""
+    for fn in (base, *others.values()):
+        time_ms(fn, warmup, 0)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in others}
+    for _ in range(repeats):
+        for name, fn in others.items():
+            samples[name].append((time_ms(base, 0, 1, back_to_back)[0],
+                                  time_ms(fn, 0, 1, back_to_back)[0]))
+    return samples
+
+
 def alternating_ratios(base: Callable[[], object], other: Callable[[], object], warmup: int,
                        repeats: int, back_to_back: int = 1) -> list[float]:
-    """`base`'s time over `other`'s, sample by sample, the two timed alternately (base, other,
-    base, other, ...), so each pair meets the same clocks and power state, which drift between
-    separate runs by more than the ratios a goal asks about."""
-    for fn in (base, other):
-        time_ms(fn, warmup, 0)
-    samples = [[time_ms(fn, 0, 1, back_to_back)[0] for fn in (base, other)]
-               for _ in range(repeats)]
-    return [t_base / t_other for t_base, t_other in samples]
+    """`base`'s time over `other`'s, sample by sample (alternating_samples)."""
+    pairs = alternating_samples(base, {"other": other}, warmup, repeats, back_to_back)["other"]
+    return [t_base / t_other for t_base, t_other in pairs]
+
+
+def describe_pairs(samples: list[tuple[float, float]], base: str, other: str) -> str:
+    """The medians of alternating_samples' pairs and the ratio, median (min - max)."""
+    ratios = [t_base / t_other for t_base, t_other in samples]
+    return (f"{base} {statistics.median(t for t, _ in samples):.2f} ms, {other} "
+            f"{statistics.median(t for _, t in samples):.2f} ms, ratio "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})")
 
 
 def paired_rows(variants: list[Variant], base: Variant, seq: int, heads: int, kv_heads: int,

@@ -69,6 +69,28 @@ def test_alternating_ratios_pair_each_sample(monkeypatch: pytest.MonkeyPatch) ->
     assert ratios == pytest.approx(expected)
 
 
+def test_alternating_samples_interleave_the_others_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several variants against one base: each repeat times a pair per variant in turn (base,
+    a, base, b), so drift reaches every variant's pairs alike; describe_pairs states their
+    medians and the ratio."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
+    order: list[str] = []
+
+    def call(name: str, ms: float):  # noqa: ANN202
+        def run() -> None:
+            order.append(name)
+            clock.now += ms
+        return run
+    samples = attention.alternating_samples(call("base", 2.0), {"a": call("a", 4.0),
+                                                                "b": call("b", 1.0)},
+                                            warmup=1, repeats=2)
+    assert order == ["base", "a", "b"] + ["base", "a", "base", "b"] * 2
+    assert samples == {"a": [(2.0, 4.0)] * 2, "b": [(2.0, 1.0)] * 2}
+    assert attention.describe_pairs(samples["a"], "FA4 causal", "DCA") == (
+        "FA4 causal 2.00 ms, DCA 4.00 ms, ratio 0.500 (0.500 - 0.500)")
+
+
 def test_gpu_timeline_counts_overlap_once_and_names_the_gaps() -> None:
     # Two overlapping kernels (0-10, 5-12), then a 30 us gap before "b", a 3 us gap before "c".
     line = attention.gpu_timeline([(42.0, 50.0, "b"), (0.0, 10.0, "a"), (5.0, 12.0, "a2"),

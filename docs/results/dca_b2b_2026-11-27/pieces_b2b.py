@@ -9,11 +9,19 @@ Peak memory: one fwd+bwd, above what was allocated before it.
 """
 
 import argparse
-import statistics
 
 import torch
 
-from bench.attention import dca, fa4, fwd_bwd_step, inputs, time_ms
+from bench.attention import (
+    alternating_samples,
+    dca,
+    describe_pairs,
+    fa4,
+    fwd_bwd_step,
+    inputs,
+    peak_mib,
+    time_ms,
+)
 from models.attention import kernels
 from models.attention.dca import grouped
 
@@ -27,16 +35,18 @@ args = parser.parse_args()
 
 
 def with_pieces(step, count: int):  # noqa: ANN001, ANN202
-    """step with the backward in `count` even pieces (piece_rows' arguments: (seq) when this
-    ran first, at d149e7a; (seq, heads, kv_heads) since)."""
+    """step with the backward in `count` even pieces of rows, all heads at once (this ran at
+    d149e7a and f4fccbc, patching grouped.piece_rows; since the backward's cut became
+    grouped.split, the same cut through that)."""
     def run() -> object:
-        saved = grouped.piece_rows
-        grouped.piece_rows = lambda seq, *heads: -(-seq // count)
+        saved = grouped.split
+        grouped.split = lambda batch, seq, heads, kv_heads: grouped.Split(kv_heads,
+                                                                           -(-seq // count))
         try:
             with kernels.using("fa4"):
                 return step()
         finally:
-            grouped.piece_rows = saved
+            grouped.split = saved
     return run
 
 
@@ -49,24 +59,10 @@ for kv in (int(x) for x in args.kv_heads.split(",")):
                for n in (int(x) for x in args.pieces.split(","))}
     for fn in (base, *configs.values()):
         time_ms(fn, 3, 0)
-    peaks = {}
-    for name, fn in (("fa4", base), *configs.items()):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        peaks[name] = (torch.cuda.max_memory_allocated() - start) / 2**20
+    peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *configs.items())}
     for b2b in (int(x) for x in args.back_to_back.split(",")):
-        pairs = {n: [] for n in configs}
-        for _ in range(args.repeats):
-            for n, fn in configs.items():
-                pairs[n].append((time_ms(base, 0, 1, b2b)[0], time_ms(fn, 0, 1, b2b)[0]))
+        pairs = alternating_samples(base, configs, 0, args.repeats, b2b)
         for n, samples in pairs.items():
-            ratios = [a / b for a, b in samples]
-            print(f"{args.seq} 16/{kv} calls/sample {b2b} pieces {n}: FA4 causal "
-                  f"{statistics.median(a for a, _ in samples):.2f} ms, DCA "
-                  f"{statistics.median(b for _, b in samples):.2f} ms, ratio "
-                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f}), "
-                  f"peak {peaks[n]:.0f} MiB = {peaks[n] / peaks['fa4']:.2f}x FA4 causal's "
-                  f"{peaks['fa4']:.0f}", flush=True)
+            print(f"{args.seq} 16/{kv} calls/sample {b2b} pieces {n}: "
+                  f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak {peaks[n]:.0f} MiB = "
+                  f"{peaks[n] / peaks['fa4']:.2f}x FA4 causal's {peaks['fa4']:.0f}", flush=True)

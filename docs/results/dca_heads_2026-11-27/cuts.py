@@ -13,11 +13,19 @@ rows on, before MIN_GROUP_BLOCKS; the "auto" rows are those commits' rule.)
 """
 
 import argparse
-import statistics
 
 import torch
 
-from bench.attention import dca, fa4, fwd_bwd_step, inputs, peak_mib, time_ms
+from bench.attention import (
+    alternating_samples,
+    dca,
+    describe_pairs,
+    fa4,
+    fwd_bwd_step,
+    inputs,
+    peak_mib,
+    time_ms,
+)
 from models.attention import kernels
 from models.attention.dca import grouped
 
@@ -62,15 +70,8 @@ for kv in (int(x) for x in args.kv_heads.split(",")):
         time_ms(fn, 3, 0)
     peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *configs.items())}
     for b2b in (int(x) for x in args.back_to_back.split(",")):
-        pairs = {c: [] for c in configs}
-        for _ in range(args.repeats):
-            for c, fn in configs.items():
-                pairs[c].append((time_ms(base, 0, 1, b2b)[0], time_ms(fn, 0, 1, b2b)[0]))
+        pairs = alternating_samples(base, configs, 0, args.repeats, b2b)
         for c, samples in pairs.items():
-            ratios = [a / b for a, b in samples]
-            print(f"{args.seq} 16/{kv} calls/sample {b2b} cut {c}: FA4 causal "
-                  f"{statistics.median(a for a, _ in samples):.2f} ms, DCA "
-                  f"{statistics.median(b for _, b in samples):.2f} ms, ratio "
-                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f}), "
-                  f"peak {peaks[c]:.0f} MiB = {peaks[c] / peaks['fa4']:.2f}x FA4 causal's "
-                  f"{peaks['fa4']:.0f}", flush=True)
+            print(f"{args.seq} 16/{kv} calls/sample {b2b} cut {c}: "
+                  f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak {peaks[c]:.0f} MiB = "
+                  f"{peaks[c] / peaks['fa4']:.2f}x FA4 causal's {peaks['fa4']:.0f}", flush=True)
