@@ -3,6 +3,8 @@ device): per-call times over back-to-back samples, warm-up excluded; and its fle
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -39,6 +41,16 @@ def _fake_event(clock: _Clock) -> type:
     return Event
 
 
+def _recorded_call(clock: _Clock, order: list[str], name: str, ms: float,
+                   drift: float = 0.0) -> Callable[[], None]:
+    """A call that takes `ms` on the clock, times (1 + drift x the calls so far), and records
+    its name in `order`."""
+    def run() -> None:
+        order.append(name)
+        clock.now += ms * (1 + drift * len(order))
+    return run
+
+
 @pytest.mark.parametrize("back_to_back", [1, 4])
 def test_times_are_per_call_and_exclude_warm_up(back_to_back: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,14 +68,10 @@ def test_alternating_ratios_pair_each_sample(monkeypatch: pytest.MonkeyPatch) ->
     clock = _Clock()
     monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
     order: list[str] = []
-
-    def call(name: str, ms: float):  # noqa: ANN202
-        def run() -> None:
-            order.append(name)
-            clock.now += ms * (1 + 0.1 * len(order))  # everything slows as the run goes on
-        return run
-    ratios = attention.alternating_ratios(call("base", 2.0), call("other", 4.0), warmup=1,
-                                          repeats=3)
+    # everything slows as the run goes on
+    base, other = (_recorded_call(clock, order, name, ms, drift=0.1)
+                   for name, ms in (("base", 2.0), ("other", 4.0)))
+    ratios = attention.alternating_ratios(base, other, warmup=1, repeats=3)
     assert order == ["base", "other"] + ["base", "other"] * 3
     expected = [2.0 * (1 + 0.1 * n) / (4.0 * (1 + 0.1 * (n + 1))) for n in (3, 5, 7)]
     assert ratios == pytest.approx(expected)
@@ -76,15 +84,9 @@ def test_alternating_samples_interleave_the_others_pairs(monkeypatch: pytest.Mon
     clock = _Clock()
     monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
     order: list[str] = []
-
-    def call(name: str, ms: float):  # noqa: ANN202
-        def run() -> None:
-            order.append(name)
-            clock.now += ms
-        return run
-    samples = attention.alternating_samples(call("base", 2.0), {"a": call("a", 4.0),
-                                                                "b": call("b", 1.0)},
-                                            warmup=1, repeats=2)
+    base, a, b = (_recorded_call(clock, order, name, ms)
+                  for name, ms in (("base", 2.0), ("a", 4.0), ("b", 1.0)))
+    samples = attention.alternating_samples(base, {"a": a, "b": b}, warmup=1, repeats=2)
     assert order == ["base", "a", "b"] + ["base", "a", "base", "b"] * 2
     assert samples == {"a": [(2.0, 4.0)] * 2, "b": [(2.0, 1.0)] * 2}
     assert attention.describe_pairs(samples["a"], "FA4 causal", "DCA") == (
