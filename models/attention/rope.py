@@ -78,7 +78,8 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
                  sin_half: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, s, h, d] to several position sets in one pass.
 
-    positions: [n, s] integer rows of the tables; cos_half, sin_half: [P, d/2] (first half of
+    positions: [n, s] integer rows of the tables, or -1 where a rotation's row is not needed
+    (left unwritten on CUDA, unspecified elsewhere); cos_half, sin_half: [P, d/2] (first half of
     `rope_cos_sin`'s output). Returns a contiguous [n, b, s, h, d] tensor in x's dtype, so each
     rotation `out[i]` is itself contiguous (the layout the chunk-batched kernels view for free).
     """
@@ -87,7 +88,7 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
     out = torch.empty((n, b, s, h, d), dtype=x.dtype, device=x.device)
     if not use_triton(x):
         for i in range(n):
-            cos, sin = half_tables(cos_half, sin_half, positions[i])
+            cos, sin = half_tables(cos_half, sin_half, positions[i].clamp(min=0))
             out[i] = apply_rope(x, cos, sin)
         return out
     pos = positions.to(torch.int32).contiguous()
@@ -191,14 +192,18 @@ if triton is not None:
         o_off = b * sob + tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
         tab_mask = tok_ok[:, None] & (dim < HALF)[None, :]
         for i in tl.static_range(NUM_OUT):
-            pos = tl.load(pos_ptr + i * spn + tok, mask=tok_ok, other=0).to(tl.int64)
+            pos = tl.load(pos_ptr + i * spn + tok, mask=tok_ok, other=-1).to(tl.int64)
+            needed = pos >= 0  # -1: a row this rotation need not write
             t_off = pos[:, None] * stab + dim[None, :]
-            c = tl.load(cos_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]  # [BS, 1, BD]
-            sn = tl.load(sin_ptr + t_off, mask=tab_mask, other=0.0)[:, None, :]
+            t_mask = tab_mask & needed[:, None]
+            c = tl.load(cos_ptr + t_off, mask=t_mask, other=0.0)[:, None, :]  # [BS, 1, BD]
+            sn = tl.load(sin_ptr + t_off, mask=t_mask, other=0.0)[:, None, :]
             y1 = x1 * c - x2 * sn
             y2 = x2 * c + x1 * sn
-            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(out_ptr + i * son + o_off + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+            o_mask = mask & needed[:, None, None]
+            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(out_ptr + i * son + o_off + HALF, y2.to(out_ptr.dtype.element_ty),
+                     mask=o_mask)
 
     @triton.jit
     def _accumulate_transposed(acc1, acc2, g_ptr, sgs, sgh, pos_ptr, cos_ptr, sin_ptr, stab,

@@ -230,6 +230,13 @@ def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
     _check(_dca_errors(q, k, v, dout, 512, 128))
 
 
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)
+def test_dca_successive_rows_in_whole_blocks(dca_path: str) -> None:
+    """w = 192 (C = 1088, L = 896): each chunk's first 256 rows (w in whole blocks) take their
+    own successive copy, the rest inter's; rows 192-255 have both, the same rotation."""
+    _check(_dca_errors(*_inputs(4096, 8, 2), 1088, 192))
+
+
 @pytest.mark.parametrize("dca_path", ["head groups"], indirect=True)
 def test_dca_backward_in_uneven_head_groups(dca_path: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -294,11 +301,16 @@ def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
 @pytest.mark.parametrize("factors", [False, True])
 def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool) -> None:
     """dq_parts.rotate_back's Triton kernel against its torch path (float64 tables): three
-    parts in FA4's layout, batch 2, into a view of dq's rows."""
+    parts in FA4's layout, batch 2, into a view of dq's rows; the successive part holds no
+    gradient (position -1, its values NaN) in two 64-row groups and one odd row."""
     torch.manual_seed(0)
     parts, batch, rows, heads, seq = 3, 2, 256, 4, 512
     data = torch.randn(parts * batch, heads, rows * head_dim, device="cuda")
     positions = torch.randint(0, 1000, (parts, seq), dtype=torch.int32, device="cuda")
+    unused = torch.tensor([*range(64, 192), 255])  # rows of the span below
+    positions[1, 128 + unused] = -1
+    offsets = dq_parts.fa4_sm90_rows(torch.arange(rows * head_dim), head_dim)  # [rows, d]
+    data.view(parts, batch, heads, -1)[1, ..., offsets[unused].flatten()] = torch.nan
     inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float64)
                            / head_dim)
     angles = torch.arange(1001, device="cuda", dtype=torch.float64)[:, None] * inv_freq

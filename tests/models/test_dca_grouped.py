@@ -11,9 +11,10 @@ import torch
 
 from models.attention import kernels
 from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
+from models.attention.dca import plan as dca_plan
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.dq_parts import DQParts, rotate_back
-from models.attention.dca.plan import KernelPaths
+from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.dca.scaling import DCAScaling
 from models.attention.rope import apply_rope, rope_cos_sin
 from tests.models.test_dca import assert_matches_reference
@@ -179,10 +180,11 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def dense_kernel_forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
-                         scale: float, length: int, out: torch.Tensor,
+                         scale: float, length: int, successive_rows: int, out: torch.Tensor,
                          lse: torch.Tensor) -> None:
     """fa4_forward.forward's contract in dense float64: queries are the last s_q of the s_k key
-    rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q; one
+    rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q, the
+    successive part from the inter copy past a chunk's first `successive_rows` rows; one
     softmax over all of them, out and lse written in place."""
     batch, seq_q, heads, _ = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
@@ -190,36 +192,41 @@ def dense_kernel_forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tens
     k, vv = (x.repeat_interleave(group, 2) for x in (k_rot, v))  # [b, s_k, hq, d]
     q_parts = q_rot.unflatten(0, (parts, batch))
     scores = torch.full((batch, heads, seq_q, seq_k), -torch.inf, dtype=q_rot.dtype)
-    for p, mask in enumerate(_part_masks(seq_q, seq_k, length)[:parts]):
+    for p, mask in enumerate(_part_masks(seq_q, seq_k, length, successive_rows)[:parts]):
         part_scores = torch.einsum("bqhd,bkhd->bhqk", q_parts[p], k) * scale
         scores = torch.where(mask, part_scores, scores)
     lse.copy_(torch.logsumexp(scores, -1))
     out.copy_(torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv))
 
 
-def _part_masks(seq_q: int, seq_k: int, length: int) -> list[torch.Tensor]:
-    """[s_q, s_k] per part (the last part taking every farther chunk), queries being the last
-    s_q of the s_k rows."""
+def _part_masks(seq_q: int, seq_k: int, length: int,
+                successive_rows: int) -> list[torch.Tensor]:
+    """[s_q, s_k] per part (the last part taking every farther chunk, and the successive
+    pairs of queries past their chunk's first successive_rows rows), queries being the last s_q
+    of the s_k rows."""
     i = torch.arange(seq_k - seq_q, seq_k)[:, None]
     j = torch.arange(seq_k)[None, :]
     distance = i // length - j // length
-    return [(distance == 0) & (j <= i), distance == 1, distance >= 2]
+    shared = (distance == 1) & (i % length >= successive_rows)
+    return [(distance == 0) & (j <= i), (distance == 1) & ~shared, (distance >= 2) | shared]
 
 
 def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, scale: float,
-                          length: int, dk_out: torch.Tensor, dv_out: torch.Tensor,
-                          accumulate: bool) -> DQParts:
+                          length: int, successive_rows: int, dk_out: torch.Tensor,
+                          dv_out: torch.Tensor, accumulate: bool) -> DQParts:
     """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
-    key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q;
-    P from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are
-    written to (or added to) dk_out, dv_out, or with GQA added, dK unscaled, to the sums of
-    `rows_kv_accumulators`; each part's dQ is returned unscaled, in rows."""
+    key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q,
+    the successive part from the inter copy past a chunk's first `successive_rows` rows; P
+    from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are written
+    to (or added to) dk_out, dv_out, or with GQA added, dK unscaled, to the sums of
+    `rows_kv_accumulators`; each part's dQ is returned unscaled, in rows, the successive
+    part's NaN where it holds none (the kernel neither zeroes nor writes those rows)."""
     batch, seq_q, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts, group = q_rot.shape[0] // batch, heads // heads_kv
     k, vv = (x.repeat_interleave(group, 2) for x in (k_rot, v))  # [b, s_k, hq, d]
-    masks = _part_masks(seq_q, seq_k, length)
+    masks = _part_masks(seq_q, seq_k, length, successive_rows)
     q_parts = q_rot.unflatten(0, (parts, batch))
     delta = (out * dout).sum(-1).transpose(1, 2)[..., None]  # [b, hq, s_q, 1]
     dq, dk, dv = torch.zeros_like(q_parts), torch.zeros_like(k), torch.zeros_like(vv)
@@ -230,6 +237,8 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
         d_scores = prob * (torch.einsum("bqhd,bkhd->bhqk", dout, vv) - delta)
         dq[p] = torch.einsum("bhqk,bkhd->bqhd", d_scores, k)
         dk += torch.einsum("bhqk,bqhd->bkhd", d_scores, q_parts[p])
+    if parts == 3:
+        dq[1, :, torch.arange(seq_k - seq_q, seq_k) % length >= successive_rows] = torch.nan
     for grad, total, grad_scale in ((dk, dk_out, scale), (dv, dv_out, 1.0)):
         grad = grad.unflatten(2, (heads_kv, group)).sum(3)
         if group > 1:  # FA4's float32 sums, converted (and dK scaled) by store_kv
@@ -286,6 +295,72 @@ def test_rotate_back_matches_the_parts_rotated_one_by_one(layout: str) -> None:
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize(("seq", "chunk", "local", "kernels", "scaling", "expected"), [
+    (32768, 8192, 1024, True, "none", 1024),  # the goal shapes: rows from 1024 on share
+    (4096, 1088, 192, True, "none", 256),  # w in whole kernel blocks
+    (32768, 8192, 1024, False, "none", 7168),  # the part calls: every part its own
+    (4096, 1024, 768, True, "none", 256),  # inter at 2L - 1 = 511, not C: nothing shared
+    (4096, 1024, 128, True, "log", 896),  # a factor per part: nothing shared
+    (1792, 1024, 128, True, "none", 896),  # two chunks: no inter part
+])
+def test_successive_rows_share_the_inter_copy_only_where_it_is_the_same(
+        seq: int, chunk: int, local: int, kernels: bool, scaling: str, expected: int) -> None:
+    """DCAPlan.successive_rows, and part_positions -1 exactly where the successive position
+    equals the inter one (each chunk's rows from successive_rows on)."""
+    q = torch.zeros(1, seq, 1, 8)
+    dca = DCAPlan(q, chunk, local, 10000.0, 1.0, None,
+                  DCAScaling(scaling, "succ_inter", 0.1, 512), paths=KernelPaths(kernels))
+    assert dca.successive_rows == expected
+    shared = dca.part_positions[1] < 0
+    r = torch.arange(seq) % dca.length
+    assert torch.equal(shared, (r >= expected) & (dca.num_parts == 3))
+    assert torch.equal(dca.part_positions[:, ~shared], dca.positions[:, ~shared])
+    if shared.any():  # the successive rotation there is the inter one
+        assert (dca.positions[1, shared] == dca.positions[2, shared]).all()
+
+
+def test_rotate_back_skips_the_rows_a_part_does_not_hold() -> None:
+    """Rows at position -1 of a part leave that part out of the sum, whatever its accumulator
+    holds there (the kernel never wrote it, nor was it zeroed)."""
+    torch.manual_seed(0)
+    parts, rows, heads, dim = 3, 128, 2, 64
+    grads = torch.randn(parts, 1, rows, heads, dim, dtype=torch.float64)
+    positions = torch.randint(0, 20, (parts, rows), dtype=torch.int32)
+    held = torch.rand(rows) < 0.5
+    positions[1, ~held] = -1
+    grads[1, :, ~held] = torch.nan
+    cos, sin = rope_cos_sin(torch.arange(20), dim, dtype=torch.float64)
+    expected = sum(apply_rope(grads[p], cos[positions[p]], -sin[positions[p]])
+                   for p in (0, 2))
+    expected[:, held] += apply_rope(grads[1][:, held], cos[positions[1, held]],
+                                    -sin[positions[1, held]])
+    out = torch.empty(1, rows, heads, dim, dtype=torch.float64)
+    data = grads.flatten(0, 1).transpose(1, 2).reshape(parts, heads, rows * dim)
+    rotate_back(DQParts(data, "rows"), positions, cos[:, :dim // 2], sin[:, :dim // 2], None,
+                1.0, out)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize(("seq", "seq_k"), [(1024, 1024), (256, 1024), (384, 896)])
+def test_dq_accumulators_are_zeroed_where_the_kernel_adds(seq: int, seq_k: int) -> None:
+    """fa4_backward's accumulators for queries that are the last s_q of s_k rows: intra and
+    inter zeroed everywhere, the successive part in exactly the 64-row groups of each chunk's
+    first successive_rows rows (L = 256, successive_rows = 128)."""
+    batch, heads, dim = 2, 3, 4
+    accum = fa4_backward._zeroed_accumulators(3, batch, heads, seq, seq_k, dim, 256, 128,
+                                              torch.device("cpu"))
+    parts = accum.view(3, batch, heads, seq // 64, 64 * dim)
+    assert not parts[0].any() and not parts[2].any()
+    rows = torch.arange(seq_k - seq, seq_k, 64)  # each group's first row
+    held = rows % 256 < 128
+    assert not parts[1][:, :, held].any()
+    groups = fa4_backward._successive_groups(seq, seq_k, 256, 128, torch.device("cpu"))
+    assert torch.equal(groups, torch.nonzero(held).flatten())
+    two_parts = fa4_backward._zeroed_accumulators(2, batch, heads, seq, seq_k, dim, 256, 128,
+                                                  torch.device("cpu"))
+    assert two_parts.shape == (2 * batch, heads, seq * dim) and not two_parts.any()
+
+
 def rows_kv_accumulators(k_rot: torch.Tensor, v: torch.Tensor,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """fa4_backward.kv_accumulators's contract, in rows: zeroed sums like k_rot and v."""
@@ -310,6 +385,7 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
         return dense_kernel_backward(q_rot, k_rot, *args)
     monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
     monkeypatch.setattr(grouped, "BLOCK", 1)
+    monkeypatch.setattr(dca_plan, "KERNEL_BLOCK", 1)
     monkeypatch.setattr(fa4_backward, "backward", recorded)
     monkeypatch.setattr(fa4_backward, "kv_accumulators", rows_kv_accumulators)
     monkeypatch.setattr(fa4_backward, "store_kv", rows_store_kv)

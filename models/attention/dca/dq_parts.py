@@ -64,8 +64,10 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
                 out: torch.Tensor) -> None:
     """out [b, n, h, d] = scale * sum_p factors[p] R(positions[p])^T dQ_p, in place.
 
-    positions: [parts, n] int32 rows of the [P, d/2] half tables; factors: [parts, n] logit
-    factors, or None (all 1); both with a unit last stride. out may be a view with a unit last
+    positions: [parts, n] int32 rows of the [P, d/2] half tables, -1 where a part's
+    accumulator holds no gradient for the row (its values there are never read: the kernels
+    never wrote them, nor were they zeroed); factors: [parts, n] logit factors, or None (all
+    1); both with a unit last stride. out may be a view with a unit last
     stride. Layout "fa4_sm90" needs n a multiple of 64 and d in FA4_SM90_HEAD_DIMS."""
     parts = positions.shape[0]
     batch, rows, heads, dim = out.shape
@@ -101,8 +103,11 @@ def _rotate_back_torch(dq_parts: DQParts, positions: torch.Tensor, cos_half: tor
     grads = grads.transpose(2, 3).to(cos_half.dtype) * scale  # [p, b, n, h, d]
     total = torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device)
     for p in range(parts):
-        grad = grads[p] if factors is None else grads[p] * factors[p, None, :, None, None]
-        cos, sin = half_tables(cos_half, sin_half, positions[p])
+        used = positions[p] >= 0
+        grad = torch.where(used[None, :, None, None], grads[p], 0)  # unused rows: unspecified
+        if factors is not None:
+            grad = grad * factors[p, None, :, None, None]
+        cos, sin = half_tables(cos_half, sin_half, positions[p].clamp(min=0))
         total += apply_rope(grad, cos, -sin)  # R^T: the rotation with sin negated
     out.copy_(total)
 
@@ -110,12 +115,12 @@ def _rotate_back_torch(dq_parts: DQParts, positions: torch.Tensor, cos_half: tor
 if triton is not None:
 
     @triton.jit
-    def _fa4_sm90_half(ptr, COL8: tl.constexpr, HALF: tl.constexpr):
+    def _fa4_sm90_half(ptr, read, COL8: tl.constexpr, HALF: tl.constexpr):
         # One half of a 64-row group in FA4's order (fa4_sm90_rows), as [64, 8 * COL8] rows
-        # and columns; columns from HALF on are padding (COL8 = HALF / 8 rounded up to a power
-        # of two, the values past the half masked).
+        # and columns, or zeros where `read` is false; columns from HALF on are padding (COL8 =
+        # HALF / 8 rounded up to a power of two, the values past the half masked).
         j = tl.arange(0, COL8 * 512)
-        x = tl.load(ptr + j, mask=j < HALF * 64, other=0.0)  # contiguous, coalesced
+        x = tl.load(ptr + j, mask=(j < HALF * 64) & read, other=0.0)  # contiguous, coalesced
         x = tl.reshape(x, (COL8, 4, 8, 4, 2, 2))  # (col/8, warp, lane/4, lane%4, +8, col%2)
         x = tl.permute(x, (1, 4, 2, 0, 3, 5))
         return tl.reshape(x, (64, COL8 * 8))
@@ -135,13 +140,16 @@ if triton is not None:
         acc1 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
         acc2 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
         for p in tl.static_range(PARTS):
-            base = data_ptr + (p * B + b) * s_data_bp + head * s_data_h + group * (64 * DIM)
-            g1 = _fa4_sm90_half(base, COL8, HALF)
-            g2 = _fa4_sm90_half(base + HALF * 64, COL8, HALF)
             pos = tl.load(pos_ptr + p * s_pos + row).to(tl.int64)
+            used = pos >= 0  # -1: a row this part's accumulator does not hold
+            read = tl.max(used.to(tl.int32), axis=0) > 0  # the group holds some row of it
+            base = data_ptr + (p * B + b) * s_data_bp + head * s_data_h + group * (64 * DIM)
+            g1 = tl.where(used[:, None], _fa4_sm90_half(base, read, COL8, HALF), 0.0)
+            g2 = tl.where(used[:, None], _fa4_sm90_half(base + HALF * 64, read, COL8, HALF),
+                          0.0)
             tab = pos[:, None] * s_tab + c[None, :]
-            cos = tl.load(cos_ptr + tab, mask=ok, other=0.0)
-            sin = tl.load(sin_ptr + tab, mask=ok, other=0.0)
+            cos = tl.load(cos_ptr + tab, mask=ok & used[:, None], other=0.0)
+            sin = tl.load(sin_ptr + tab, mask=ok & used[:, None], other=0.0)
             if FACTORS:
                 f = tl.load(factor_ptr + p * s_factor + row).to(tl.float32)[:, None]
                 cos = cos * f

@@ -11,7 +11,9 @@ So dK and dV leave the kernel once, summed over the parts in registers, and the 
 over the rows once; the part calls' per-call launches and the one-call path's per-part dK/dV
 and pre-processing are gone. What stays outside: the rotations (q into its parts, k, and dk
 back) and the parts' dQ accumulators, rotated back and summed into dq in one pass
-(dq_parts.py, in place of FA4's postprocess).
+(dq_parts.py, in place of FA4's postprocess). A query block past its chunk's first
+`successive_rows` rows adds its successive tiles' dQ into the inter accumulator, as it reads
+their Q from the inter copy (the same rotation there, DCAPlan.successive_rows).
 
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment): then the
 kernel gives those queries' complete dq and their share of dk and dv, so a backward may run in
@@ -42,14 +44,17 @@ _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128
 
 
 def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int, dk: torch.Tensor,
-             dv: torch.Tensor, accumulate: bool) -> DQParts:
+             dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int,
+             successive_rows: int, dk: torch.Tensor, dv: torch.Tensor,
+             accumulate: bool) -> DQParts:
     """The per-part dQ of the rotated queries (float32 accumulators, DQParts), for queries
     that are the last s_q of the s_k key rows (s_q = s_k: all of them); their dK (of k_rot) and
     dV into dk and dv.
 
-    q_rot: [p * b, s_q, hq, d] part-major; k_rot, v: [b, s_k, hk, d]; out, dout: merged [b, s_q,
-    hq, d]; lse: merged [b, hq, s_q] float32; length: the chunk length L. L, s_q and s_k must be
+    q_rot: [p * b, s_q, hq, d] part-major (the successive copy read only in each chunk's first
+    `successive_rows` rows, DCAPlan.successive_rows; its dQ accumulator holds, and is zeroed,
+    only there); k_rot, v: [b, s_k, hk, d]; out, dout: merged [b, s_q, hq, d]; lse: merged [b,
+    hq, s_q] float32; length: the chunk length L. L, successive_rows, s_q and s_k must be
     multiples of 128. With s_q < s_k, dq is complete (the queries' keys all lie in the first s_k
     rows) and dK, dV are these queries' share. Without GQA dk and dv are [b, s_k, hk, d] (views
     with a unit last stride) that the kernel stores into, or adds to (`accumulate`: a bf16 TMA
@@ -62,9 +67,11 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     batch, seq, heads, head_dim = out.shape
     seq_k, heads_kv, head_dim_v = v.shape[1], v.shape[2], v.shape[3]
     parts = q_rot.shape[0] // batch
-    if length % _ROW_MULTIPLE or seq % _ROW_MULTIPLE or seq_k % _ROW_MULTIPLE or seq > seq_k:
-        raise ValueError(f"the DCA backward kernel needs L ({length}) and the query ({seq}) and "
-                         f"key ({seq_k}) rows to be multiples of {_ROW_MULTIPLE}, queries <= keys")
+    if (length % _ROW_MULTIPLE or successive_rows % _ROW_MULTIPLE or seq % _ROW_MULTIPLE
+            or seq_k % _ROW_MULTIPLE or seq > seq_k):
+        raise ValueError(f"the DCA backward kernel needs L ({length}), the successive rows "
+                         f"({successive_rows}) and the query ({seq}) and key ({seq_k}) rows to "
+                         f"be multiples of {_ROW_MULTIPLE}, queries <= keys")
     cfg, multiple = _accumulator_layout(head_dim, head_dim_v)
     tile_m = cfg.m_block_size
     if (cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64
@@ -84,19 +91,47 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
 
     # zeroed before the preprocess: the main kernel (launched with PDL) may start while the
     # kernel before it runs, and waits for it only before reading LSE and dPsum
-    dq_accum = torch.zeros(parts * batch, heads, seq * dim_acc, dtype=torch.float32,
-                           device=device)
+    dq_accum = _zeroed_accumulators(parts, batch, heads, seq, seq_k, dim_acc, length,
+                                    successive_rows, device)
     dpsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     lse_log2 = torch.empty_like(dpsum)
     fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None, None, None, None, dtype,
                        head_dim, head_dim_v, tile_m, fake_mode=False, hdim_multiple_of=multiple)
     kernel = _compiled(dtype, head_dim, head_dim_v, heads // heads_kv, length, parts,
-                       accumulate and not gqa,
+                       successive_rows, accumulate and not gqa,
                        (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk, dv), scale)
     kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv,
            scale, None, None, None, None, None, None, None, None, None, fa.AuxData(None, None),
            None, None)
     return DQParts(dq_accum, "fa4_sm90")
+
+
+def _zeroed_accumulators(parts: int, batch: int, heads: int, seq: int, seq_k: int,
+                         dim_acc: int, length: int, successive_rows: int,
+                         device: torch.device) -> torch.Tensor:
+    """The parts' float32 dQ accumulators [p * b, h, s_q * d'] for queries that are the last
+    s_q of s_k rows, zeroed where the kernel adds: everywhere but the successive part's rows
+    past each chunk's first `successive_rows` (whose tiles go to the inter accumulator)."""
+    if parts < 3 or successive_rows == length:
+        return torch.zeros(parts * batch, heads, seq * dim_acc, dtype=torch.float32,
+                           device=device)
+    accum = torch.empty(parts, batch, heads, seq * dim_acc, dtype=torch.float32, device=device)
+    accum[0].zero_()  # intra and inter, each contiguous (a strided fill of both is slower)
+    accum[2].zero_()
+    groups = accum[1].view(batch, heads, seq // 64, 64 * dim_acc)  # 64 rows apiece
+    groups.index_fill_(2, _successive_groups(seq, seq_k, length, successive_rows, device), 0)
+    return accum.view(parts * batch, heads, seq * dim_acc)
+
+
+@functools.lru_cache(maxsize=32)
+def _successive_groups(seq: int, seq_k: int, length: int, successive_rows: int,
+                       device: torch.device) -> torch.Tensor:
+    """The 64-row groups of the last s_q of s_k rows that lie in a chunk's first
+    successive_rows rows (their row offsets in the accumulator layout: multiples of 64 rows)."""
+    first = seq_k - seq  # the queries' first row among the keys'
+    rows = torch.arange(first, seq_k, 64)
+    return (torch.nonzero(rows % length < successive_rows).flatten()
+            .to(device, non_blocking=True))
 
 
 def kv_accumulators(k_rot: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,10 +182,11 @@ def _kernel_class() -> type:
     class DCABackwardSm90(fa4_parts.parts_mixin(), FlashAttentionBackwardSm90):
         """FA4's SM90 causal backward; Q and the dQ accumulator per block from its DCA part."""
 
-        def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
+        def __init__(self, *args, length: int, parts: int, successive_rows: int,
+                     **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.deterministic
-            self.set_parts(length, parts)
+            self.set_parts(length, parts, successive_rows)
 
         @cute.jit
         def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
@@ -275,11 +311,13 @@ _SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
-              parts: int, add_dkv: bool, tensors: tuple[torch.Tensor, ...], scale: float):
+              parts: int, successive_rows: int, add_dkv: bool,
+              tensors: tuple[torch.Tensor, ...], scale: float):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch); add_dkv: its dK/dV stores add to what is there."""
     cache = fa4_parts.compile_cache("dca_bwd")
-    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts, add_dkv)
+    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts,
+           successive_rows, add_dkv)
     if key not in cache:
         import cutlass.cute as cute
         from flash_attn.cute import flash_bwd_sm90
@@ -294,7 +332,7 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
             AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
             V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
-            length=length, parts=parts)
+            length=length, parts=parts, successive_rows=successive_rows)
         cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
         with _stores_add(flash_bwd_sm90) if add_dkv else contextlib.nullcontext():
             cache[key] = cute.compile(

@@ -9,7 +9,9 @@ This kernel is that forward with the query tile taken from its part's rotated co
 [parts * b, s, hq, d], the part the batch coordinate) and reloaded twice at most, when the loop
 crosses a part boundary: the consumers release the tile once the previous part's last Q K^T has
 completed, and the producer then loads the next part's. The online softmax runs on across the
-boundary, so the output and the LSE leave the kernel merged: no part calls, no merge.
+boundary, so the output and the LSE leave the kernel merged: no part calls, no merge. A query
+block past its chunk's first `successive_rows` rows reads its successive tiles from the inter
+copy (the same rotation there, DCAPlan.successive_rows), so its loop crosses one boundary.
 
 The queries may be the last rows of the keys' (FA4's bottom-right causal alignment; those rows'
 out and lse are then complete), as in the backward kernel; grouped.forward passes all rows at
@@ -28,26 +30,30 @@ _TILE = 128  # query and key tile: FA4's SM90 forward for head_dim <= 128, fixed
 
 
 def forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, scale: float,
-            length: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+            length: int, successive_rows: int, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes DCA's output into out [b, s_q, hq, d] and its LSE into lse [b, hq, s_q] (float32;
     both may be views of larger tensors), for queries that are the last s_q of the s_k key rows.
 
-    q_rot: [p * b, s_q, hq, d] part-major, each part's rotated queries; k_rot, v: [b, s_k, hk,
-    d]; length: the chunk length L. L, s_q and s_k must be multiples of 128.
+    q_rot: [p * b, s_q, hq, d] part-major, each part's rotated queries (the successive copy
+    read only in each chunk's first `successive_rows` rows, DCAPlan.successive_rows); k_rot,
+    v: [b, s_k, hk, d]; length: the chunk length L. L, s_q, s_k and successive_rows must be
+    multiples of 128.
     """
     from flash_attn.cute import interface as fa  # with FA4 only
 
     batch, seq, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts = q_rot.shape[0] // batch
-    if length % _TILE or seq % _TILE or seq_k % _TILE or seq > seq_k or head_dim > 128:
-        raise ValueError(f"the DCA forward kernel needs L ({length}) and the query ({seq}) and "
-                         f"key ({seq_k}) rows to be multiples of {_TILE}, queries <= keys, "
-                         f"head_dim <= 128 (got {head_dim})")
+    if (length % _TILE or successive_rows % _TILE or seq % _TILE or seq_k % _TILE
+            or seq > seq_k or head_dim > 128):
+        raise ValueError(f"the DCA forward kernel needs L ({length}), the successive rows "
+                         f"({successive_rows}) and the query ({seq}) and key ({seq_k}) rows to "
+                         f"be multiples of {_TILE}, queries <= keys, head_dim <= 128 (got "
+                         f"{head_dim})")
     q_rot, k_rot, v = (fa.maybe_contiguous(t) for t in (q_rot, k_rot, v))
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
     kernel = _compiled(dtype, head_dim, v.shape[3], heads // heads_kv, length, parts,
-                       (q_rot, k_rot, v, out, lse))
+                       successive_rows, (q_rot, k_rot, v, out, lse))
     kernel(q_rot.detach(), k_rot.detach(), v.detach(), out, lse, scale)
 
 
@@ -72,11 +78,12 @@ def _kernel_class() -> type:
     class DCAForwardSm90(fa4_parts.parts_mixin(), FlashAttentionForwardSm90):
         """FA4's SM90 causal forward; the query tile per key block from its DCA part."""
 
-        def __init__(self, *args, length: int, parts: int, **kwargs) -> None:
+        def __init__(self, *args, length: int, parts: int, successive_rows: int,
+                     **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.pack_gqa
             assert self.intra_wg_overlap and self.tile_m == self.tile_n == _TILE
-            self.set_parts(length, parts)
+            self.set_parts(length, parts, successive_rows)
 
         # annotations evaluated here (no postponed evaluation in this file): the DSL reads them
         @cute.jit
@@ -307,7 +314,11 @@ def _kernel_class() -> type:
                 for part in cutlass.range_constexpr(self.parts):
                     n_block_low = n_block_min  # the part's lowest block: inter's is 0
                     if const_expr(part < self.parts - 1):
-                        n_block_low = cutlass.max((chunk - part) * self.n_blocks_per_chunk,
+                        # a shared successive part has no blocks: inter takes them
+                        first_chunk = chunk - part
+                        if const_expr(part == 1):
+                            first_chunk += self.successive_shared(seqlen, m_block)
+                        n_block_low = cutlass.max(first_chunk * self.n_blocks_per_chunk,
                                                   n_block_min)
                     blocks = cutlass.max(n_block + 1 - n_block_low, 0)
                     if const_expr(part > 0):
@@ -342,11 +353,12 @@ _SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
-              parts: int, tensors: tuple[torch.Tensor, ...]):
+              parts: int, successive_rows: int, tensors: tuple[torch.Tensor, ...]):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
     sequence length and batch)."""
     cache = fa4_parts.compile_cache("dca_fwd")
-    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts)
+    key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts,
+           successive_rows)
     if key not in cache:
         import cutlass.cute as cute
         from flash_attn.cute import interface as fa
@@ -359,7 +371,7 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             dtype, head_dim, head_dim_v, qhead_per_kvhead, is_causal=True, is_local=False,
             pack_gqa=False, tile_m=_TILE, tile_n=_TILE, num_stages=2, num_threads=384,
             Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=cfg.mma_pv_is_rs,
-            length=length, parts=parts)
+            length=length, parts=parts, successive_rows=successive_rows)
         q, k, v, out, lse = tensors
         cute_tensors = [fa.to_cute_tensor(t) for t in (q, k, v, out)]
         cute_tensors.append(fa.to_cute_tensor(lse, assumed_align=4))

@@ -21,12 +21,16 @@ def parts_mixin() -> type:
     class DCAParts:
         """DCA's part of a kernel's (query block m, key block n) pair: the chunk distance, 0
         intra, 1 successive, 2 and more inter (the last of `parts` parts takes every farther
-        chunk). The kernel's tile_m and tile_n must divide the chunk length L."""
+        chunk), except that a query block past its chunk's first `successive_rows` rows takes
+        its successive tiles from the inter copy (the same rotation there: DCAPlan's
+        successive_rows). The kernel's tile_m and tile_n must divide the chunk length L and
+        tile_m successive_rows."""
 
-        def set_parts(self, length: int, parts: int) -> None:
+        def set_parts(self, length: int, parts: int, successive_rows: int) -> None:
             self.parts = parts
             self.m_blocks_per_chunk = length // self.tile_m
             self.n_blocks_per_chunk = length // self.tile_n
+            self.successive_m_blocks = successive_rows // self.tile_m
 
         @cute.jit
         def query_chunk(self, seqlen, m_block):
@@ -37,10 +41,20 @@ def parts_mixin() -> type:
             return (m_first + m_block) // self.m_blocks_per_chunk
 
         @cute.jit
+        def successive_shared(self, seqlen, m_block):
+            """1 where query block m reads its successive tiles from the inter copy (it lies
+            past its chunk's first successive_rows rows), else 0."""
+            m_first = (seqlen.seqlen_k - seqlen.seqlen_q) // self.tile_m
+            in_chunk = (m_first + m_block) % self.m_blocks_per_chunk
+            return cutlass.min(cutlass.max(in_chunk - self.successive_m_blocks + 1, 0), 1)
+
+        @cute.jit
         def part_of(self, seqlen, m_block, n_block):
-            """The part query block m meets key block n in."""
+            """The part query block m meets key block n in: the chunk distance, capped at the
+            last part, the successive one moved to inter where it is shared."""
             distance = self.query_chunk(seqlen, m_block) - n_block // self.n_blocks_per_chunk
-            return cutlass.min(distance, self.parts - 1)
+            shared = self.successive_shared(seqlen, m_block) * cutlass.min(distance, 1)
+            return cutlass.min(distance + shared, self.parts - 1)
 
     return DCAParts
 

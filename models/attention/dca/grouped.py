@@ -36,11 +36,11 @@ import torch
 from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
 from models.attention.dca.dq_parts import rotate_back
+from models.attention.dca.plan import KERNEL_BLOCK as BLOCK
 from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
-BLOCK = 128  # the kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128)
 # The backward's memory over causal attention's that dca_backward=auto allows (`split`), and the
 # fewest query rows of a row piece: a piece of fewer rows saves under ~0.1 GB (16 heads of 128)
 # and costs its own launches (at 8K, C = 2048, where DCA is host-bound, 2.35 ms a call in 2
@@ -141,7 +141,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
     q_rot, k_rot = plan.rotate(q, k)  # [p, b, s, hq, d], [b, s, hk, d]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, seq, dtype=accumulation_dtype(q), device=q.device)
-    fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, out, lse)
+    fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, plan.successive_rows,
+                        out, lse)
     return out, lse
 
 
@@ -179,9 +180,10 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
             key_grads = (dk[:, :end, kv], dv[:, :end, kv]) if sums is None else sums
             dq_parts = fa4_backward.backward(
                 q_rot.flatten(0, 1), k_rot[:, :end, kv], v[:, :end, kv], out[:, span, hq],
-                dout[:, span, hq], lse[:, hq, span], scale, plan.length, *key_grads, end < seq)
+                dout[:, span, hq], lse[:, hq, span], scale, plan.length, plan.successive_rows,
+                *key_grads, end < seq)
             del q_rot
-            rotate_back(dq_parts, plan.positions[:, span], plan.cos, plan.sin,
+            rotate_back(dq_parts, plan.part_positions[:, span], plan.cos, plan.sin,
                         None if plan.q_scale is None else plan.q_scale[:, span], scale,
                         dq[:, span, hq])
             del dq_parts  # before the next piece's kernel allocates its own

@@ -16,6 +16,10 @@ from models.attention.dca.scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi
 from models.rope_scaling import RopeScaling
 
+# DCA's own kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128): every tile lies
+# in one chunk when L and the sequence are multiples of it.
+KERNEL_BLOCK = 128
+
 
 class KernelPaths(NamedTuple):
     """How one DCA call runs, chosen by grouped.paths: through DCA's own FA4 kernels
@@ -59,6 +63,18 @@ class DCAPlan:
         # r + L = p, unclamped, and every relative distance is the true one.
         longest = max(n for _, _, n in self.docs)
         self.causal = self.q_scale is None and longest <= min(chunk_size, 2 * self.length)
+        # DCA's kernels read a query block's successive tiles from the inter copy where the two
+        # are the same rotation: with the inter position min(2L - 1, C) equal to C, every row
+        # past a chunk's first w has its successive position r + L clamped to C too. So only
+        # the first `successive_rows` rows of each chunk (w, in whole kernel blocks) need a
+        # successive copy of their own, and `part_positions` marks the others -1: never
+        # written, zeroed or read (L: every row has its own).
+        shares = (self.paths.kernels and self.num_parts == 3 and self.q_scale is None
+                  and min(2 * self.length - 1, chunk_size) == chunk_size)
+        self.successive_rows = (min(-(-local_size // KERNEL_BLOCK) * KERNEL_BLOCK, self.length)
+                                if shares else self.length)
+        self.part_positions = self.positions if self.successive_rows == self.length else (
+            _part_positions(seq, chunk_size, local_size, self.successive_rows, q.device))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
@@ -66,8 +82,9 @@ class DCAPlan:
 
     def rotate_parts(self, q: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """Sequence rows `rows` (default all) of q [b, s, hq, d] rotated for every part (times
-        the parts' logit factors, if any): a contiguous [parts, b, s', hq, d]."""
-        q_rot = rotate_multi(q[:, rows], self.positions[:, rows], self.cos, self.sin)
+        the parts' logit factors, if any): a contiguous [parts, b, s', hq, d], the rows where
+        `part_positions` is -1 left unwritten."""
+        q_rot = rotate_multi(q[:, rows], self.part_positions[:, rows], self.cos, self.sin)
         if self.q_scale is not None:
             q_rot.mul_(self.q_scale[:, None, rows, None, None])  # [parts, 1, s', 1, 1]
         return q_rot
@@ -104,6 +121,16 @@ def _positions(seq: int, chunk_size: int, local_size: int, bounds: tuple[int, ..
     succ = torch.clamp(r + length, max=chunk_size)
     inter = torch.full_like(r, min(2 * length - 1, chunk_size))
     return torch.stack([r, succ, inter, in_doc]).to(torch.int32).to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _part_positions(seq: int, chunk_size: int, local_size: int, successive_rows: int,
+                    device: torch.device) -> torch.Tensor:
+    """[3, seq] `_positions` of one document with the successive row -1 past each chunk's
+    first `successive_rows` rows (built on the CPU and cached, as _positions)."""
+    positions = _positions(seq, chunk_size, local_size, None, torch.device("cpu"))[:3].clone()
+    positions[1].masked_fill_(positions[0] >= successive_rows, -1)
+    return positions.to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=16)
