@@ -137,9 +137,11 @@ DCA_PATHS = ["parts", *DCA_KERNEL_PATHS]
 # The backward's cut per path (grouped.Split for (batch, seq, heads, kv_heads)): one key head
 # per group (as auto cuts long sequences), all heads in pieces of 1024 rows (as auto cuts short
 # ones), or both
-CUTS = {"head groups": lambda batch, seq, heads, kv_heads: grouped.Split(1, seq),
-        "row pieces": lambda batch, seq, heads, kv_heads: grouped.Split(kv_heads, 1024),
-        "head and row pieces": lambda batch, seq, heads, kv_heads: grouped.Split(1, 1024)}
+CUTS = {"head groups": lambda batch, seq, heads, kv_heads, accumulators: grouped.Split(1, seq),
+        "row pieces": lambda batch, seq, heads, kv_heads, accumulators: grouped.Split(kv_heads,
+                                                                                   1024),
+        "head and row pieces": lambda batch, seq, heads, kv_heads, accumulators: grouped.Split(
+            1, 1024)}
 AUTO_SPLIT = grouped.split
 
 
@@ -231,6 +233,22 @@ def test_dca_batch_2_and_head_dim_64(hk: int, dca_path: str) -> None:
 
 
 @pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_kernels_on_views_of_a_fused_qkv(hk: int, dca_path: str) -> None:
+    """q, k, v as megatron hands them over: views of one [b, s, hk, (hq / hk + 2) d] projection
+    (each key head's query heads, then its key and value; with GQA megatron's reshape copies q),
+    no copy of k or v made for the kernels."""
+    torch.manual_seed(0)
+    group = 8 // hk
+    mixed = torch.randn(1, 4096, hk, (group + 2) * D, device="cuda", dtype=torch.bfloat16)
+    mixed.requires_grad_()
+    q = mixed[..., :group * D].reshape(1, 4096, 8, D)
+    k, v = mixed[..., group * D:(group + 1) * D], mixed[..., (group + 1) * D:]
+    assert not k.is_contiguous() and not v.is_contiguous()
+    _check(_dca_errors(q, k, v, torch.randn_like(q), 1024, 128))
+
+
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)
 def test_dca_successive_rows_in_whole_blocks(dca_path: str) -> None:
     """w = 192 (C = 1088, L = 896): each chunk's first 256 rows (w in whole blocks) take their
     own successive copy, the rest inter's; rows 192-255 have both, the same rotation."""
@@ -240,13 +258,15 @@ def test_dca_successive_rows_in_whole_blocks(dca_path: str) -> None:
 @pytest.mark.parametrize("dca_path", ["head groups"], indirect=True)
 def test_dca_backward_in_uneven_head_groups(dca_path: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """16 heads without GQA: auto's own cut, six groups of 2 or 3 heads (its floor of blocks
-    per launch lifted for this short sequence), head slices at odd offsets into q, out, dout
-    and the gradients."""
+    """16 heads without GQA: auto's own cut, three groups of 5 or 6 heads (its floor of blocks
+    per launch lifted for this short sequence; six of 2 or 3 with an accumulator per part),
+    head slices at odd offsets into q, out, dout and the gradients."""
     monkeypatch.setattr(grouped, "split", AUTO_SPLIT)
     monkeypatch.setattr(grouped, "MIN_GROUP_BLOCKS", 1)
-    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16).head_groups(16)] == [
+    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16, 3).head_groups(16)] == [
         2, 3, 3, 2, 3, 3]
+    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16, 1).head_groups(16)] == [
+        5, 5, 6]
     _check(_dca_errors(*_inputs(2048, 16, 16), 512, 128))
 
 

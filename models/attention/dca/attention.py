@@ -47,7 +47,8 @@ class _DualChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
                 scale: float, graphs: DCAGraphs | None) -> torch.Tensor:
-        v = v.contiguous()  # chunk views need a dense token axis
+        if not plan.paths.kernels:  # DCA's kernels take any strides with a unit last one
+            v = v.contiguous()  # the part calls' chunk views need a dense token axis
         # Inside a recomputed layer (models/recompute.py) the first forward keeps (out, lse)
         # and the recompute reuses them: only the backward's inputs are rebuilt.
         kept = kept_attention(q.shape)

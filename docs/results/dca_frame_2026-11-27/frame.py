@@ -1,0 +1,79 @@
+"""DCA (C = 8192, w = 1024) against FA4 causal, its backward kernel adding every part's dQ into
+one accumulator in the inter frame (DCAPlan.dq_frame, as on this tree) or into one accumulator
+per part (dq_frame None, as before), each under its own `auto` cut. Each sample: FA4 causal,
+then both forms, on the same inputs, synchronised single calls and 5 back to back; the ratio
+is FA4 causal's time over DCA's, median (min - max). Peak memory of one fwd+bwd; then a
+profile of one fwd+bwd of each form.
+
+    python3 docs/results/dca_frame_2026-11-27/frame.py [--seqs 32768,131072] [--kv-heads 16,4]
+"""
+
+import argparse
+
+import torch
+
+from bench.attention import (
+    alternating_samples,
+    dca,
+    describe_pairs,
+    fa4,
+    fwd_bwd_step,
+    inputs,
+    peak_mib,
+    profile,
+    time_ms,
+)
+from models.attention import kernels
+from models.attention.dca import plan
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--seqs", default="32768,131072")
+parser.add_argument("--kv-heads", default="16,4")
+parser.add_argument("--repeats", type=int, default=10)
+parser.add_argument("--back-to-back", default="1,5")
+parser.add_argument("--profile-seq", type=int, default=32768)
+args = parser.parse_args()
+with_frame = plan.DCAPlan.__init__
+
+
+def without_frame(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    with_frame(self, *args, **kwargs)
+    self.dq_frame = None
+
+
+def form(step, framed: bool):  # noqa: ANN001, ANN202
+    def run() -> object:
+        plan.DCAPlan.__init__ = with_frame if framed else without_frame
+        try:
+            with kernels.using("fa4"):
+                return step()
+        finally:
+            plan.DCAPlan.__init__ = with_frame
+    return run
+
+
+print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+variant = dca(8192, 1024, kernel="fa4")
+for seq in (int(s) for s in args.seqs.split(",")):
+    for kv in (int(x) for x in args.kv_heads.split(",")):
+        problem = inputs(seq, 16, kv, 128)
+        base = form(fwd_bwd_step(fa4(), problem), True)
+        forms = {name: form(fwd_bwd_step(variant, problem), name == "frame")
+                 for name in ("frame", "parts")}
+        for fn in (base, *forms.values()):
+            time_ms(fn, 3, 0)
+        peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *forms.items())}
+        for b2b in (int(x) for x in args.back_to_back.split(",")):
+            pairs = alternating_samples(base, forms, 0, args.repeats, b2b)
+            for name, samples in pairs.items():
+                print(f"{seq} 16/{kv} calls/sample {b2b} dQ {name}: "
+                      f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak {peaks[name]:.0f} "
+                      f"MiB = {peaks[name] / peaks['fa4']:.3f}x FA4 causal's {peaks['fa4']:.0f}",
+                      flush=True)
+        del problem, base, forms
+        torch.cuda.empty_cache()
+for framed in (True, False):
+    plan.DCAPlan.__init__ = with_frame if framed else without_frame
+    print(f"\nprofile, dQ {'frame' if framed else 'parts'}:\n"
+          + profile(variant, args.profile_seq, 16, 16, 128), flush=True)
+plan.DCAPlan.__init__ = with_frame
