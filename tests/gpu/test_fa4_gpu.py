@@ -137,11 +137,9 @@ DCA_PATHS = ["parts", *DCA_KERNEL_PATHS]
 # The backward's cut per path (grouped.Split for (batch, seq, heads, kv_heads)): one key head
 # per group (as auto cuts long sequences), all heads in pieces of 1024 rows (as auto cuts short
 # ones), or both
-CUTS = {"head groups": lambda batch, seq, heads, kv_heads, accumulators: grouped.Split(1, seq),
-        "row pieces": lambda batch, seq, heads, kv_heads, accumulators: grouped.Split(kv_heads,
-                                                                                   1024),
-        "head and row pieces": lambda batch, seq, heads, kv_heads, accumulators: grouped.Split(
-            1, 1024)}
+CUTS = {"head groups": lambda batch, seq, heads, kv_heads: grouped.Split(1, seq),
+        "row pieces": lambda batch, seq, heads, kv_heads: grouped.Split(kv_heads, 1024),
+        "head and row pieces": lambda batch, seq, heads, kv_heads: grouped.Split(1, 1024)}
 AUTO_SPLIT = grouped.split
 
 
@@ -258,15 +256,13 @@ def test_dca_successive_rows_in_whole_blocks(dca_path: str) -> None:
 @pytest.mark.parametrize("dca_path", ["head groups"], indirect=True)
 def test_dca_backward_in_uneven_head_groups(dca_path: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """16 heads without GQA: auto's own cut, three groups of 5 or 6 heads (its floor of blocks
-    per launch lifted for this short sequence; six of 2 or 3 with an accumulator per part),
-    head slices at odd offsets into q, out, dout and the gradients."""
+    """16 heads without GQA: auto's own cut, six groups of 2 or 3 heads (its floor of blocks
+    per launch lifted for this short sequence), head slices at odd offsets into q, out, dout
+    and the gradients."""
     monkeypatch.setattr(grouped, "split", AUTO_SPLIT)
     monkeypatch.setattr(grouped, "MIN_GROUP_BLOCKS", 1)
-    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16, 3).head_groups(16)] == [
+    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16).head_groups(16)] == [
         2, 3, 3, 2, 3, 3]
-    assert [g.stop - g.start for g in grouped.split(1, 2048, 16, 16, 1).head_groups(16)] == [
-        5, 5, 6]
     _check(_dca_errors(*_inputs(2048, 16, 16), 512, 128))
 
 

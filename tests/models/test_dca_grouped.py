@@ -14,9 +14,9 @@ from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca import plan as dca_plan
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.dq_parts import DQParts, rotate_back
-from models.attention.dca.plan import DCAPlan, DQFrame, KernelPaths
+from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.dca.scaling import DCAScaling
-from models.attention.rope import apply_rope, half_tables, rope_cos_sin
+from models.attention.rope import apply_rope, rope_cos_sin
 from tests.models.test_dca import assert_matches_reference
 from tests.models.test_dca_scaling import check, log_factor, part_factors
 
@@ -91,46 +91,34 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
     assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == KernelPaths()
 
 
-@pytest.mark.parametrize(("accumulators", "groups_mha", "groups_gqa"), [(3, 6, 4), (1, 3, 2)])
-def test_auto_backward_cuts_heads_first_within_the_memory_budget(
-        accumulators: int, groups_mha: int, groups_gqa: int) -> None:
-    """Groups of key heads where each launches at least MIN_GROUP_BLOCKS blocks (with three dQ
-    accumulators 6 of 16 heads without GQA, 4 with 16/4 and 32/8; with one, in the dQ frame, 3
-    and 2), else all heads at once in pieces of rows (16/1; short sequences), never fewer than
-    MIN_PIECE_ROWS rows; in each case the fewest within the budget."""
-    def split(batch: int, seq: int, heads: int, kv_heads: int) -> grouped.Split:
-        return grouped.split(batch, seq, heads, kv_heads, accumulators)
-
-    def memory(share: float, pieces: int, heads: int, kv_heads: int) -> float:
-        return grouped.memory_over_causal(share, pieces, heads, kv_heads, accumulators)
-
-    cut_of = grouped.Split
+def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
+    """Groups of key heads where each launches at least MIN_GROUP_BLOCKS blocks (6 of 16 heads
+    without GQA, 4 with 16/4 and 32/8), else all heads at once in pieces of rows (16/1; short
+    sequences), never fewer than MIN_PIECE_ROWS rows; in each case the fewest within the
+    budget."""
+    split, cut_of = grouped.split, grouped.Split
     for seq in (32768, 131072):
-        assert len(split(1, seq, 16, 16).head_groups(16)) == groups_mha
-        assert len(split(1, seq, 16, 4).head_groups(4)) == groups_gqa
-        assert len(split(1, seq, 32, 8).head_groups(8)) == groups_gqa
-        assert split(1, seq, 16, 16).rows == split(1, seq, 16, 4).rows == seq
-    assert split(1, 32768, 16, 1) == (cut_of(1, 32768 // 4) if accumulators == 3
-                                      else cut_of(1, 32768 // 2))
-    if accumulators == 3:
-        assert split(1, 16384, 16, 16) == cut_of(16, 8192)  # groups of 3 heads: 384 blocks
-        assert split(2, 16384, 16, 16) == cut_of(3, 16384)  # batch 2: 768 blocks
-        assert split(1, 16384, 16, 4) == cut_of(1, 16384)  # one key head, 4 query heads: 512
-    for kv_heads in (16, 4, 1):  # 8K: one piece, but two groups of 2 key heads (512 blocks)
-        expected = 2 if kv_heads == 4 and accumulators == 1 else kv_heads
-        assert split(1, 8192, 16, kv_heads) == cut_of(expected, grouped.MIN_PIECE_ROWS)
+        assert split(1, seq, 16, 16) == cut_of(3, seq)
+        assert split(1, seq, 16, 4) == cut_of(1, seq)
+        assert split(1, seq, 32, 8) == cut_of(2, seq)
+        assert split(1, seq, 16, 1) == cut_of(1, seq // 4)
+    assert split(1, 16384, 16, 16) == cut_of(16, 8192)  # groups of 3 heads: 384 blocks
+    assert split(2, 16384, 16, 16) == cut_of(3, 16384)  # batch 2: 768 blocks
+    assert split(1, 16384, 16, 4) == cut_of(1, 16384)  # one key head, 4 query heads: 512
+    for kv_heads in (16, 4, 1):  # 8K: one piece
+        assert split(1, 8192, 16, kv_heads) == cut_of(kv_heads, grouped.MIN_PIECE_ROWS)
     budget = grouped.MEMORY_OVER_CAUSAL
     for heads, kv_heads in ((16, 16), (16, 4), (32, 8), (12, 12), (16, 1)):
         cut = split(1, 32768, heads, kv_heads)
         groups, pieces = len(cut.head_groups(kv_heads)), -(-32768 // cut.rows)
         share = cut.kv_per_group / kv_heads
-        assert memory(share, pieces, heads, kv_heads) <= budget
+        assert grouped.memory_over_causal(share, pieces, heads, kv_heads) <= budget
         if pieces == 1:  # one group fewer would be over
             fewer = -(-kv_heads // (groups - 1)) / kv_heads
-            assert memory(fewer, 1, heads, kv_heads) > budget
+            assert grouped.memory_over_causal(fewer, 1, heads, kv_heads) > budget
         else:  # all heads at once, one piece fewer would be over
             assert share == 1
-            assert memory(share, pieces - 1, heads, kv_heads) > budget
+            assert grouped.memory_over_causal(share, pieces - 1, heads, kv_heads) > budget
 
 
 def test_head_groups_are_even_and_cover_every_head() -> None:
@@ -154,12 +142,12 @@ MEASURED_GROUP_PEAKS = {16: ({4: 931, 3: 859, 2: 786, 1: 714}, 774), 4: ({2: 996
 def test_memory_model_matches_the_measured_peaks() -> None:
     for kv_heads, (peaks, causal) in MEASURED_PEAKS.items():
         for count, peak in enumerate(peaks, 1):
-            model = grouped.memory_over_causal(1, count, 16, kv_heads, 3)
+            model = grouped.memory_over_causal(1, count, 16, kv_heads)
             assert model == pytest.approx(peak / causal - 1, abs=0.02), (kv_heads, count)
     for kv_heads, (group_peaks, causal) in MEASURED_GROUP_PEAKS.items():
         for size, peak in group_peaks.items():
             largest = -(-kv_heads // -(-kv_heads // size))  # of the even groups
-            model = grouped.memory_over_causal(largest / kv_heads, 1, 16, kv_heads, 3)
+            model = grouped.memory_over_causal(largest / kv_heads, 1, 16, kv_heads)
             assert model == pytest.approx(peak / causal - 1, abs=0.02), (kv_heads, size)
 
 
@@ -225,17 +213,15 @@ def _part_masks(seq_q: int, seq_k: int, length: int,
 
 def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, scale: float,
-                          length: int, successive_rows: int, frame: DQFrame | None,
-                          dk_out: torch.Tensor, dv_out: torch.Tensor,
-                          accumulate: bool) -> DQParts:
+                          length: int, successive_rows: int, dk_out: torch.Tensor,
+                          dv_out: torch.Tensor, accumulate: bool) -> DQParts:
     """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
     key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q,
     the successive part from the inter copy past a chunk's first `successive_rows` rows; P
     from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are written
     to (or added to) dk_out, dv_out, or with GQA added, dK unscaled, to the sums of
     `rows_kv_accumulators`; each part's dQ is returned unscaled, in rows, the successive
-    part's NaN where it holds none (the kernel neither zeroes nor writes those rows), or with a
-    `frame` their sum, each rotated by R(P - pos) into the frame of P."""
+    part's NaN where it holds none (the kernel neither zeroes nor writes those rows)."""
     batch, seq_q, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts, group = q_rot.shape[0] // batch, heads // heads_kv
@@ -251,16 +237,8 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
         d_scores = prob * (torch.einsum("bqhd,bkhd->bhqk", dout, vv) - delta)
         dq[p] = torch.einsum("bhqk,bkhd->bqhd", d_scores, k)
         dk += torch.einsum("bhqk,bqhd->bkhd", d_scores, q_parts[p])
-    r = torch.arange(seq_k - seq_q, seq_k) % length  # each query's in-chunk offset
-    if frame is not None:
-        position, chunk = frame.position, frame.chunk_size
-        for p, pos in enumerate((r, torch.clamp(r + length, max=chunk))):
-            cos, sin = half_tables(frame.cos, frame.sin, position - pos)
-            dq[p] = apply_rope(dq[p], cos, sin)  # R(P - pos)
-        dq = dq.sum(0, keepdim=True)  # inter's at P already
-        parts = 1
-    elif parts == 3:
-        dq[1, :, r >= successive_rows] = torch.nan
+    if parts == 3:
+        dq[1, :, torch.arange(seq_k - seq_q, seq_k) % length >= successive_rows] = torch.nan
     for grad, total, grad_scale in ((dk, dk_out, scale), (dv, dv_out, 1.0)):
         grad = grad.unflatten(2, (heads_kv, group)).sum(3)
         if group > 1:  # FA4's float32 sums, converted (and dK scaled) by store_kv

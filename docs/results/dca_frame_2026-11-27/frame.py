@@ -6,6 +6,9 @@ is FA4 causal's time over DCA's, median (min - max). Peak memory of one fwd+bwd;
 profile of one fwd+bwd of each form.
 
     python3 docs/results/dca_frame_2026-11-27/frame.py [--seqs 32768,131072] [--kv-heads 16,4]
+
+Run at 4ba59d7, the commit with the frame (DCAPlan.dq_frame); the next one removed it again
+(its kernel was 35% slower), so this script runs only on that tree.
 """
 
 import argparse

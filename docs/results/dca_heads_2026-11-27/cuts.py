@@ -45,7 +45,7 @@ def with_cut(step, cut: str, kv_heads: int):  # noqa: ANN001, ANN202
         chosen = split
     else:
         group, pieces = (int(x) for x in cut.split("x"))
-        def chosen(batch, seq, heads, kv, *accumulators):  # noqa: ANN001, ANN002, ANN202, E306
+        def chosen(batch, seq, heads, kv):  # noqa: ANN001, ANN202, E306
             return grouped.Split(min(group, kv), -(-seq // pieces))
 
     def run() -> object:

@@ -77,13 +77,11 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out and dout contiguous [b, s, h, d], v too
     unless the plan chose DCA's own kernels (grouped.paths): then its backward kernel in one
-    piece, or in the
-    pieces of grouped.split (grouped.backward)."""
+    piece, or in the pieces of grouped.split (grouped.backward)."""
     if plan.paths.kernels:
         batch, seq, heads, heads_kv = *q.shape[:3], k.shape[2]
         cut = (grouped.Split(heads_kv, seq) if plan.paths.one_piece
-               else grouped.split(batch, seq, heads, heads_kv,
-                                  3 if plan.dq_frame is None else 1))
+               else grouped.split(batch, seq, heads, heads_kv))
         return grouped.backward(plan, scale, q, k, v, out, lse, dout, cut)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])

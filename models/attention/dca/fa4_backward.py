@@ -39,19 +39,17 @@ import torch
 
 from models.attention.dca import fa4_parts
 from models.attention.dca.dq_parts import FA4_SM90_HEAD_DIMS, DQParts
-from models.attention.dca.plan import DQFrame
 
 _ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128 rows)
 
 
 def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              dout: torch.Tensor, lse: torch.Tensor, scale: float, length: int,
-             successive_rows: int, frame: DQFrame | None, dk: torch.Tensor, dv: torch.Tensor,
+             successive_rows: int, dk: torch.Tensor, dv: torch.Tensor,
              accumulate: bool) -> DQParts:
-    """The dQ of the rotated queries (float32 accumulators, DQParts) for queries that are the
-    last s_q of the s_k key rows (s_q = s_k: all of them): per part, or with a `frame` in one
-    accumulator, every part's dQ rotated in the kernel into the frame's position (DQFrame);
-    their dK (of k_rot) and dV into dk and dv.
+    """The per-part dQ of the rotated queries (float32 accumulators, DQParts), for queries
+    that are the last s_q of the s_k key rows (s_q = s_k: all of them); their dK (of k_rot) and
+    dV into dk and dv.
 
     q_rot: [p * b, s_q, hq, d] part-major (the successive copy read only in each chunk's first
     `successive_rows` rows, DCAPlan.successive_rows; its dQ accumulator holds, and is zeroed,
@@ -91,26 +89,20 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     q_rot, k_rot, v, out, dout, lse = (fa.maybe_contiguous(t)
                                        for t in (q_rot, k_rot, v, out, dout, lse))
 
-    if frame is None:
-        # zeroed before the preprocess: the main kernel (launched with PDL) may start while
-        # the kernel before it runs, and waits for it only before reading LSE and dPsum
-        dq_accum = _zeroed_accumulators(parts, batch, heads, seq, seq_k, dim_acc, length,
-                                        successive_rows, device)
-    else:  # one accumulator, zeroed by the preprocess (as FA4's causal backward's)
-        dq_accum = torch.empty(batch, heads, seq * dim_acc, dtype=torch.float32, device=device)
+    # zeroed before the preprocess: the main kernel (launched with PDL) may start while the
+    # kernel before it runs, and waits for it only before reading LSE and dPsum
+    dq_accum = _zeroed_accumulators(parts, batch, heads, seq, seq_k, dim_acc, length,
+                                    successive_rows, device)
     dpsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     lse_log2 = torch.empty_like(dpsum)
-    fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None if frame is None else dq_accum,
-                       None, None, None, dtype, head_dim, head_dim_v, tile_m, fake_mode=False,
-                       hdim_multiple_of=multiple)
-    tables = None if frame is None else [frame.cos, frame.sin]
+    fa._bwd_preprocess(out, dout, dpsum, lse, lse_log2, None, None, None, None, dtype,
+                       head_dim, head_dim_v, tile_m, fake_mode=False, hdim_multiple_of=multiple)
     kernel = _compiled(dtype, head_dim, head_dim_v, heads // heads_kv, length, parts,
-                       successive_rows, frame and (frame.position, frame.chunk_size),
-                       accumulate and not gqa,
-                       (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk, dv), tables, scale)
+                       successive_rows, accumulate and not gqa,
+                       (q_rot, k_rot, v, dout, lse_log2, dpsum, dq_accum, dk, dv), scale)
     kernel(q_rot.detach(), k_rot.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk, dv,
-           scale, None, None, None, None, None, None, None, None, None,
-           fa.AuxData(tables, None), None, None)
+           scale, None, None, None, None, None, None, None, None, None, fa.AuxData(None, None),
+           None, None)
     return DQParts(dq_accum, "fa4_sm90")
 
 
@@ -183,189 +175,18 @@ def _kernel_class() -> type:
     """DCABackwardSm90, defined on first use (it subclasses FA4's kernel)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, const_expr
-    from cutlass.cute.nvgpu import warpgroup
-    from flash_attn.cute import utils
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.named_barrier import NamedBarrierBwd
-    from quack import copy_utils, layout_utils
-
-    # a named barrier FA4's backward leaves free: both dQ warpgroups, exchanging halves
-    _DQ_EXCHANGE = int(max(NamedBarrierBwd)) + 1
+    from quack import copy_utils
 
     class DCABackwardSm90(fa4_parts.parts_mixin(), FlashAttentionBackwardSm90):
         """FA4's SM90 causal backward; Q and the dQ accumulator per block from its DCA part."""
 
         def __init__(self, *args, length: int, parts: int, successive_rows: int,
-                     frame: tuple[int, int] | None, **kwargs) -> None:
+                     **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.deterministic
             self.set_parts(length, parts, successive_rows)
-            self.length = length
-            # (P, C): dQ rotated into the frame of position P (the inter one) in registers,
-            # all parts into one accumulator; None: an accumulator per part
-            self.frame = frame
-
-        @cute.jit
-        def mma_one_m_block(
-            self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx, mma_qk_fn,
-            mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s, copy_dS_r2s,
-            pipeline_Q, pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum, softmax_scale_log2,
-            PdS_barrier, is_dQ_wg=True, mask_fn=None,
-            score_mod_fn=None, score_mod_bwd_fn=None, dKV_accumulate=True):
-            # FA4's step for one query block (flash_bwd_sm90.py; no score mods, which DCA
-            # never has), its dQ rotated into the frame before it goes to shared memory. The
-            # pair's key block, sequence lengths and rotation tables come from the score-mod
-            # partial FA4 builds per key block (its only use here).
-            consumer_state_dO_cur = (consumer_state_Q if const_expr(self.Q_stage == self.dO_stage)
-                                     else consumer_state_dO)
-            smem_idx_Q = consumer_state_Q.index
-            smem_idx_dO = consumer_state_dO_cur.index if const_expr(self.dO_stage > 1) else 0
-            smem_idx_PdS = smem_idx_Q if const_expr(self.PdS_stage > 1) else 0
-            # S = Q K^T, dP = dO V^T
-            pipeline_Q.consumer_wait(consumer_state_Q,
-                                     pipeline_Q.consumer_try_wait(consumer_state_Q))
-            acc_S = mma_qk_fn(A_idx=smem_idx_Q, wg_wait=-1)
-            tLSErLSE = copy_utils.load_s2r(tLSEsLSE[None, smem_idx_Q])
-            pipeline_dO.consumer_wait(consumer_state_dO_cur,
-                                      pipeline_dO.consumer_try_wait(consumer_state_dO_cur))
-            acc_dP = mma_dov_fn(A_idx=smem_idx_Q, wg_wait=1)
-            # P = exp(S - LSE)
-            if const_expr(mask_fn is not None):
-                mask_fn(acc_S, m_block=m_block)
-            acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S, transpose=self.SdP_swapAB)
-            lane_idx = cute.arch.lane_idx()
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                lse_val = self._get_stat(tLSErLSE, r, lane_idx, shuffle=self.shuffle_LSE)
-                for c in cutlass.range(cute.size(acc_S_mn, mode=[1]), unroll_full=True):
-                    acc_S_mn[r, c] = cute.math.exp2(
-                        acc_S_mn[r, c] * softmax_scale_log2 - lse_val, fastmath=True)
-            tLSErdPsum = copy_utils.load_s2r(tLSEsdPsum[None, smem_idx_dO])
-            tdVrP = utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_S), self.dtype)
-            if const_expr(not self.mma_dkv_is_rs):
-                if const_expr(self.PdS_stage == 1):
-                    PdS_barrier.arrive_and_wait()
-                copy_P_r2s(tdVrP, dst_idx=smem_idx_PdS)
-            # dS = P (dP - dPsum)
-            warpgroup.wait_group(0)
-            acc_dP_mn = layout_utils.reshape_acc_to_mn(acc_dP, transpose=self.SdP_swapAB)
-            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                dpsum_val = self._get_stat(tLSErdPsum, r, lane_idx, shuffle=self.shuffle_dPsum)
-                for c in cutlass.range(cute.size(acc_dP_mn, mode=[1]), unroll_full=True):
-                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dpsum_val)
-            tdKrdS = utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_dP), self.dtype)
-            if const_expr(not self.mma_dkv_is_rs or (self.PdS_stage == 1
-                                                     and self.mma_dkv_is_rs)):
-                cute.arch.fence_view_async_shared()
-                PdS_barrier.arrive_and_wait()
-            copy_dS_r2s(tdKrdS, dst_idx=smem_idx_PdS)
-            # dV += P^T dO
-            if const_expr(not self.mma_dkv_is_rs):
-                mma_pdo_fn(A_idx=smem_idx_PdS, B_idx=smem_idx_dO, zero_init=not dKV_accumulate,
-                           wg_wait=-1)
-            else:
-                mma_pdo_fn(tCrA=tdVrP, B_idx=smem_idx_dO, zero_init=not dKV_accumulate,
-                           wg_wait=-1)
-            cute.arch.fence_view_async_shared()
-            PdS_barrier.arrive_and_wait()
-            if const_expr(is_dQ_wg):
-                acc_dQ = mma_dsk_fn(A_idx=smem_idx_PdS, wg_wait=1)  # dQ = dS K
-                pipeline_dO.consumer_release(consumer_state_dO_cur)
-                # dK += dS^T Q (waits for dQ's GEMM)
-                if const_expr(not self.mma_dkv_is_rs):
-                    mma_dsq_fn(A_idx=smem_idx_PdS, B_idx=smem_idx_Q,
-                               zero_init=not dKV_accumulate, wg_wait=1)
-                else:
-                    mma_dsq_fn(tCrA=tdKrdS, B_idx=smem_idx_Q, zero_init=not dKV_accumulate,
-                               wg_wait=1)
-                cute.arch.barrier(
-                    barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + warp_group_idx,
-                    number_of_threads=self.num_threads_per_warp_group + cute.arch.WARP_SIZE)
-                tdQrdQaccum_flat = cute.make_tensor(acc_dQ.iterator,
-                                                    cute.make_layout(tdQsdQaccum.shape))
-                if const_expr(self.frame is not None):
-                    bound = score_mod_fn.keywords
-                    self.rotate_dq(acc_dQ, tdQrdQaccum_flat, tdQsdQaccum, warp_group_idx,
-                                   bound["seqlen_info"], m_block, bound["n_block"],
-                                   *bound["aux_data"].tensors)
-                cute.autovec_copy(tdQrdQaccum_flat, tdQsdQaccum)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(
-                    barrier_id=int(NamedBarrierBwd.dQFullWG0) + warp_group_idx,
-                    number_of_threads=self.num_threads_per_warp_group + cute.arch.WARP_SIZE)
-                warpgroup.wait_group(0)
-                pipeline_Q.consumer_release(consumer_state_Q)
-            else:  # dQ in one warpgroup: this one only adds to dK
-                if const_expr(not self.mma_dkv_is_rs):
-                    mma_dsq_fn(A_idx=smem_idx_PdS, B_idx=smem_idx_Q,
-                               zero_init=not dKV_accumulate, wg_wait=1)
-                else:
-                    mma_dsq_fn(tCrA=tdKrdS, B_idx=smem_idx_Q, zero_init=not dKV_accumulate,
-                               wg_wait=1)
-                pipeline_dO.consumer_release(consumer_state_dO_cur)
-                warpgroup.wait_group(0)
-                pipeline_Q.consumer_release(consumer_state_Q)
-            consumer_state_Q.advance()
-            consumer_state_dO.advance()
-            return consumer_state_Q, consumer_state_dO
-
-        @cute.jit
-        def rotate_dq(self, acc_dQ, flat, tdQsdQaccum, warp_group_idx, seqlen, m_block,
-                      n_block, mCos, mSin):
-            """This thread's dQ fragment of the (m, n) tile pair (`flat`: its values in
-            register order) rotated from its part's frame into the frame of P: R(P - pos) row
-            by row (pos: r intra, min(r + L, C) successive); inter's tiles, at P already,
-            stay. A warpgroup's value i lies at row 16 warp + 8 ((i // 2) % 2) + lane // 4
-            of its rows and column 8 (i // 4) + 2 (lane % 4) + i % 2 of its columns
-            (dq_parts.fa4_sm90_rows). Where the warpgroups split the rows, a thread holds
-            columns c and c + d/2 as values i and i + d/4; where they split the columns (one
-            half each: head dim 128), the other half is the other warpgroup's same value,
-            exchanged through this warpgroup's shared-memory buffer for dQ."""
-            part = self.part_of(seqlen, m_block, n_block)
-            if part < 2:
-                position, chunk_size = self.frame
-                lane = cute.arch.lane_idx()
-                warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
-                split_columns = const_expr(self.num_wg_dQ > self.AtomLayoutMdQ)
-                first = seqlen.seqlen_k - seqlen.seqlen_q + m_block * self.tile_m
-                if const_expr(not split_columns):
-                    first += 64 * warp_group_idx
-                row0 = first + 16 * warp + lane // 4
-                values = cute.size(flat)
-                pairs = values if const_expr(split_columns) else values // 2
-                other = cute.make_rmem_tensor(pairs, Float32)
-                if const_expr(split_columns):  # the other warpgroup's half, same positions
-                    cute.autovec_copy(flat, tdQsdQaccum)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=_DQ_EXCHANGE,
-                                      number_of_threads=2 * self.num_threads_per_warp_group)
-                    region = self.tile_m * self.tile_hdim // self.num_wg_dQ
-                    shift = region - 2 * region * warp_group_idx  # to the other region
-                    theirs = cute.make_tensor(tdQsdQaccum.iterator + shift,
-                                              tdQsdQaccum.layout)
-                    cute.autovec_copy(theirs, cute.make_tensor(
-                        other.iterator, cute.make_layout(tdQsdQaccum.shape)))
-                    cute.arch.barrier(barrier_id=_DQ_EXCHANGE,
-                                      number_of_threads=2 * self.num_threads_per_warp_group)
-                else:
-                    for i in cutlass.range_constexpr(pairs):
-                        other[i] = flat[i + pairs]
-                for half in cutlass.range_constexpr(2):  # the thread's two rows, 8 apart
-                    r = (row0 + 8 * half) % self.length
-                    pos = r + part * (cutlass.min(r + self.length, chunk_size) - r)
-                    angle = position - pos
-                    for q in cutlass.range_constexpr(pairs // 4):
-                        for e in cutlass.range_constexpr(2):
-                            i = 4 * q + 2 * half + e
-                            col = 8 * q + 2 * (lane % 4) + e
-                            cos, sin = mCos[angle, col], mSin[angle, col]
-                            if const_expr(split_columns):  # this half: first or second
-                                sign = Float32(2 * warp_group_idx - 1)
-                                flat[i] = flat[i] * cos + sign * other[i] * sin
-                            else:
-                                x1, x2 = flat[i], other[i]
-                                flat[i] = x1 * cos - x2 * sin
-                                flat[i + pairs] = x2 * cos + x1 * sin
 
         @cute.jit
         def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
@@ -446,10 +267,8 @@ def _kernel_class() -> type:
         @cute.jit
         def dQaccum_store(self, mdQaccum, sdQaccum, block_info, TileSchedulerCls,
                           SeqlenInfoCls, blocksparse_tensors=None, mdQ_semaphore=None):
-            # FA4's non-deterministic dQ store, into the block's part's accumulator (the one
-            # accumulator where dQ was rotated into a frame)
-            accumulators = 1 if cutlass.const_expr(self.frame is not None) else self.parts
-            batches = cute.size(mdQaccum.shape[2]) // accumulators
+            # FA4's non-deterministic dQ store, into the block's part's accumulator
+            batches = cute.size(mdQaccum.shape[2]) // self.parts
             tile_scheduler = TileSchedulerCls()
             work_tile = tile_scheduler.initial_work_tile_info()
             while work_tile.is_valid_tile:
@@ -458,8 +277,6 @@ def _kernel_class() -> type:
                 m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                 for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                     part = self.part_of(seqlen, m_block, n_block)
-                    if cutlass.const_expr(self.frame is not None):
-                        part = 0
                     # ((M * K / num_wg_dQ, num_wg_dQ), num_m_blocks)
                     gdQaccum = cute.local_tile(
                         mdQaccum[None, head_idx, part * batches + batch_idx],
@@ -494,15 +311,13 @@ _SOURCE = fa4_parts.source_key(__file__)
 
 
 def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, length: int,
-              parts: int, successive_rows: int, frame: tuple[int, int] | None, add_dkv: bool,
-              tensors: tuple[torch.Tensor, ...], tables: list[torch.Tensor] | None,
-              scale: float):
+              parts: int, successive_rows: int, add_dkv: bool,
+              tensors: tuple[torch.Tensor, ...], scale: float):
     """The compiled kernel for this configuration (shapes are dynamic: one compile serves every
-    sequence length and batch); frame: (position, C) where dQ is rotated into one accumulator;
-    add_dkv: its dK/dV stores add to what is there."""
+    sequence length and batch); add_dkv: its dK/dV stores add to what is there."""
     cache = fa4_parts.compile_cache("dca_bwd")
     key = (_SOURCE, dtype, head_dim, head_dim_v, qhead_per_kvhead, length, parts,
-           successive_rows, frame, add_dkv)
+           successive_rows, add_dkv)
     if key not in cache:
         import cutlass.cute as cute
         from flash_attn.cute import flash_bwd_sm90
@@ -517,13 +332,12 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
             AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
             V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
-            length=length, parts=parts, successive_rows=successive_rows, frame=frame)
+            length=length, parts=parts, successive_rows=successive_rows)
         cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
-        cute_tables = None if tables is None else [fa.to_cute_aux_tensor(t) for t in tables]
         with _stores_add(flash_bwd_sm90) if add_dkv else contextlib.nullcontext():
             cache[key] = cute.compile(
                 kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
-                None, fa.AuxData(cute_tables, None), None, None,
+                None, fa.AuxData(None, None), None, None,
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                 options="--enable-tvm-ffi")
     return cache[key]

@@ -98,13 +98,11 @@ class Split(NamedTuple):
         return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
 
 
-def memory_over_causal(head_share: float, row_pieces: int, heads: int, kv_heads: int,
-                       accumulators: int) -> float:
+def memory_over_causal(head_share: float, row_pieces: int, heads: int, kv_heads: int) -> float:
     """How much more memory DCA's backward takes than causal attention's, as a fraction of
     causal's, by this model, when a piece holds `head_share` of the heads and 1 / `row_pieces`
     of the rows (per query row, in q rows, r = kv_heads / heads): a piece holds its three
-    rotated copies and its float32 dQ accumulators (3 + 2 x `accumulators` per row and head of
-    the piece: one per part, 9, or one in the dQ frame, 5; DCAPlan.dq_frame); beside
+    rotated copies and three float32 dQ accumulators (9 per row and head of the piece); beside
     them DCA holds k rotated (r) and lacks causal attention's float32 dQ accumulator (2); with
     GQA its float32 dK/dV sums hold only the piece's key heads (4r x head_share against
     causal's 4r). Causal attention holds out, dq, dk, dv and that accumulator, with GQA its
@@ -114,15 +112,13 @@ def memory_over_causal(head_share: float, row_pieces: int, heads: int, kv_heads:
     gqa = kv_heads < heads
     causal = 4 + 2 * ratio + (4 * ratio if gqa else 0)
     sums_left_out = 4 * ratio * (1 - head_share) if gqa else 0
-    per_row = 3 + 2 * accumulators
-    return (per_row * head_share / row_pieces + ratio - 2 - sums_left_out) / causal
+    return (9 * head_share / row_pieces + ratio - 2 - sums_left_out) / causal
 
 
-def split(batch: int, seq: int, heads: int, kv_heads: int, accumulators: int) -> Split:
+def split(batch: int, seq: int, heads: int, kv_heads: int) -> Split:
     """The backward's cut under dca_backward=auto, within MEMORY_OVER_CAUSAL of causal
-    attention's memory by `memory_over_causal` with `accumulators` float32 dQ accumulators per
-    query row: the fewest groups of key heads (with one accumulator 3 groups of 16 heads
-    without GQA, 2 with 16/4; with three 6 and 4) where each group launches at least
+    attention's memory by `memory_over_causal`: the fewest groups of key heads (6 groups of 16
+    heads without GQA, 4 with 16/4 or 32/8) where each group launches at least
     MIN_GROUP_BLOCKS blocks; else (short sequences, or too few heads) all heads at once in the
     fewest pieces of query rows, each at least MIN_PIECE_ROWS."""
     blocks_per_kv_head = batch * -(-seq // BLOCK) * (heads // kv_heads)  # its query heads' blocks
@@ -130,11 +126,10 @@ def split(batch: int, seq: int, heads: int, kv_heads: int, accumulators: int) ->
         size = -(-kv_heads // groups)
         if size * blocks_per_kv_head < MIN_GROUP_BLOCKS:
             break
-        if (memory_over_causal(size / kv_heads, 1, heads, kv_heads, accumulators)
-                <= MEMORY_OVER_CAUSAL):
+        if memory_over_causal(size / kv_heads, 1, heads, kv_heads) <= MEMORY_OVER_CAUSAL:
             return Split(size, seq)
     pieces = next(count for count in itertools.count(1) if memory_over_causal(
-        1, count, heads, kv_heads, accumulators) <= MEMORY_OVER_CAUSAL)
+        1, count, heads, kv_heads) <= MEMORY_OVER_CAUSAL)
     return Split(kv_heads, max(-(-seq // pieces), MIN_PIECE_ROWS))
 
 
@@ -187,9 +182,9 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
             dq_parts = fa4_backward.backward(
                 q_rot.flatten(0, 1), k_rot[:, :end, kv], v[:, :end, kv], out[:, span, hq],
                 dout[:, span, hq], lse[:, hq, span], scale, plan.length, plan.successive_rows,
-                plan.dq_frame, *key_grads, end < seq)
+                *key_grads, end < seq)
             del q_rot
-            rotate_back(dq_parts, plan.dq_positions(span), plan.cos, plan.sin,
+            rotate_back(dq_parts, plan.part_positions[:, span], plan.cos, plan.sin,
                         None if plan.q_scale is None else plan.q_scale[:, span], scale,
                         dq[:, span, hq])
             del dq_parts  # before the next piece's kernel allocates its own

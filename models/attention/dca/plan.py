@@ -21,18 +21,6 @@ from models.rope_scaling import RopeScaling
 KERNEL_BLOCK = 128
 
 
-class DQFrame(NamedTuple):
-    """Where DCA's backward kernel takes every part's dQ before adding it into one accumulator:
-    the frame of the inter position `position` (R(position - pos) from a part at pos, in
-    registers), with C = `chunk_size` (successive positions clamp to it) and the rotation
-    tables `cos`, `sin` [C + 1, d/2] float32 without mscale. The accumulator is then rotated
-    back as one part at `position` (dq_parts.rotate_back)."""
-    position: int
-    chunk_size: int
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 class KernelPaths(NamedTuple):
     """How one DCA call runs, chosen by grouped.paths: through DCA's own FA4 kernels
     (fa4_forward.py, fa4_backward.py) or the part calls, and the backward kernel over all
@@ -87,22 +75,6 @@ class DCAPlan:
                                 if shares else self.length)
         self.part_positions = self.positions if self.successive_rows == self.length else (
             _part_positions(seq, chunk_size, local_size, self.successive_rows, q.device))
-        # The backward kernel rotates each part's dQ into the inter frame and adds it into one
-        # accumulator where the parts' dQ differ only by their rotations (no logit factors):
-        # one float32 accumulator instead of one per part, no rotation pass over three.
-        self.dq_frame = None
-        if self.paths.kernels and self.q_scale is None and self.num_parts >= 2:
-            cos, sin = _tables(chunk_size + 1, head_dim, theta, 1.0, table_dtype, q.device,
-                               rope_scaling)
-            self.dq_frame = DQFrame(min(2 * self.length - 1, chunk_size), chunk_size, cos, sin)
-
-    def dq_positions(self, rows: slice) -> torch.Tensor:
-        """[parts, s'] positions of the backward kernel's dQ accumulators for sequence rows
-        `rows`: part_positions, or one part at the dQ frame's position (`dq_frame`)."""
-        if self.dq_frame is None:
-            return self.part_positions[:, rows]
-        count = self.part_positions[:1, rows].shape[1]
-        return _constant_positions(count, self.dq_frame.position, self.positions.device)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q rotated for every part [parts, b, s, hq, d]; k rotated to r [b, s, hk, d]."""
@@ -159,12 +131,6 @@ def _part_positions(seq: int, chunk_size: int, local_size: int, successive_rows:
     positions = _positions(seq, chunk_size, local_size, None, torch.device("cpu"))[:3].clone()
     positions[1].masked_fill_(positions[0] >= successive_rows, -1)
     return positions.to(device, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=16)
-def _constant_positions(count: int, position: int, device: torch.device) -> torch.Tensor:
-    """[1, count] int32, every row at `position` (cached: every layer asks for the same)."""
-    return torch.full((1, count), position, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=16)
