@@ -294,6 +294,40 @@ def describe_pairs(samples: list[tuple[float, float]], base: str, other: str) ->
             f"{statistics.median(ratios):.3f} ({min(ratios):.3f} - {max(ratios):.3f})")
 
 
+def patched(step: Callable[[], object], target: object, name: str, value: object,
+            kernel: str = "fa4") -> Callable[[], object]:
+    """`step` run under `kernel` with `target.name` set to `value`, restored after each call
+    (the experiment scripts' forms of one variant: a cut, a constant, a plan)."""
+    def run() -> object:
+        saved = getattr(target, name)
+        setattr(target, name, value)
+        try:
+            with kernels.using(kernel):
+                return step()
+        finally:
+            setattr(target, name, saved)
+    return run
+
+
+def print_pairs(base: Callable[[], object], others: dict[str, Callable[[], object]],
+                repeats: int, back_to_back: list[int], label: str,
+                peak: Callable[[Callable[[], object]], float] = peak_mib) -> None:
+    """The experiment scripts' comparison: every step warmed up, each one's peak memory, then
+    for each calls-per-sample count one line per other step, its alternating pairs against
+    `base` (FA4 causal against DCA, describe_pairs) and its peak over base's; `label` starts
+    each line (the shape and what the others vary)."""
+    for fn in (base, *others.values()):
+        time_ms(fn, 3, 0)
+    peaks = {name: peak(fn) for name, fn in (("base", base), *others.items())}
+    for b2b in back_to_back:
+        pairs = alternating_samples(base, others, 0, repeats, b2b)
+        for name, samples in pairs.items():
+            print(f"{label} calls/sample {b2b} {name}: "
+                  f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak {peaks[name]:.0f} MiB"
+                  f" = {peaks[name] / peaks['base']:.3f}x FA4 causal's {peaks['base']:.0f}",
+                  flush=True)
+
+
 def paired_rows(variants: list[Variant], base: Variant, seq: int, heads: int, kv_heads: int,
                 dim: int, args: argparse.Namespace) -> list[dict[str, object]]:
     """--paired: every other variant's fwd+bwd timed alternately with `base`'s, on one set of

@@ -114,3 +114,44 @@ def test_flex_variant_is_causal_attention(kv_heads: int) -> None:
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
         enable_gqa=kv_heads != 4).transpose(1, 2)
     torch.testing.assert_close(out, ref)
+
+
+def test_print_pairs_warms_up_then_states_each_pair_and_peak(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The experiment scripts' comparison: three warm-up calls each, then per calls-per-sample
+    count the pairs of every other step against the base, with its peak over the base's."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
+    order: list[str] = []
+    base, a = (_recorded_call(clock, order, name, ms) for name, ms in (("base", 2.0), ("a", 4.0)))
+    peaks = {base: 100.0, a: 111.0}
+    attention.print_pairs(base, {"cut a": a}, repeats=2, back_to_back=[1, 3], label="32768 16/16",
+                          peak=peaks.__getitem__)
+    assert order == (["base"] * 3 + ["a"] * 3 + ["base", "a"] * 2
+                     + (["base"] * 3 + ["a"] * 3) * 2)
+    assert capsys.readouterr().out.splitlines() == [
+        f"32768 16/16 calls/sample {b2b} cut a: FA4 causal 2.00 ms, DCA 4.00 ms, ratio 0.500 "
+        "(0.500 - 0.500), peak 111 MiB = 1.110x FA4 causal's 100" for b2b in (1, 3)]
+
+
+def test_patched_sets_the_attribute_and_kernel_for_each_call_only() -> None:
+    """An experiment script's form: the attribute and the kernel hold inside the step, and
+    both are back after it, also when the step raises."""
+    from types import SimpleNamespace
+
+    from models.attention import kernels
+
+    target = SimpleNamespace(rule="tree")
+    before = kernels.active()
+    seen = []
+    step = attention.patched(lambda: seen.append((target.rule, kernels.active())), target, "rule",
+                             "other", kernel="math")
+    step()
+    assert seen == [("other", "math")] and target.rule == "tree"
+    assert kernels.active() == before
+
+    def failing() -> None:
+        raise RuntimeError("step failed")
+    with pytest.raises(RuntimeError, match="step failed"):
+        attention.patched(failing, target, "rule", "other", kernel="math")()
+    assert target.rule == "tree"

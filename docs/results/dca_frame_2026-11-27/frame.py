@@ -15,18 +15,7 @@ import argparse
 
 import torch
 
-from bench.attention import (
-    alternating_samples,
-    dca,
-    describe_pairs,
-    fa4,
-    fwd_bwd_step,
-    inputs,
-    peak_mib,
-    profile,
-    time_ms,
-)
-from models.attention import kernels
+from bench.attention import dca, fa4, fwd_bwd_step, inputs, patched, print_pairs, profile
 from models.attention.dca import plan
 
 parser = argparse.ArgumentParser()
@@ -45,14 +34,7 @@ def without_frame(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN00
 
 
 def form(step, framed: bool):  # noqa: ANN001, ANN202
-    def run() -> object:
-        plan.DCAPlan.__init__ = with_frame if framed else without_frame
-        try:
-            with kernels.using("fa4"):
-                return step()
-        finally:
-            plan.DCAPlan.__init__ = with_frame
-    return run
+    return patched(step, plan.DCAPlan, "__init__", with_frame if framed else without_frame)
 
 
 print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -61,18 +43,10 @@ for seq in (int(s) for s in args.seqs.split(",")):
     for kv in (int(x) for x in args.kv_heads.split(",")):
         problem = inputs(seq, 16, kv, 128)
         base = form(fwd_bwd_step(fa4(), problem), True)
-        forms = {name: form(fwd_bwd_step(variant, problem), name == "frame")
+        forms = {f"dQ {name}": form(fwd_bwd_step(variant, problem), name == "frame")
                  for name in ("frame", "parts")}
-        for fn in (base, *forms.values()):
-            time_ms(fn, 3, 0)
-        peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *forms.items())}
-        for b2b in (int(x) for x in args.back_to_back.split(",")):
-            pairs = alternating_samples(base, forms, 0, args.repeats, b2b)
-            for name, samples in pairs.items():
-                print(f"{seq} 16/{kv} calls/sample {b2b} dQ {name}: "
-                      f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak {peaks[name]:.0f} "
-                      f"MiB = {peaks[name] / peaks['fa4']:.3f}x FA4 causal's {peaks['fa4']:.0f}",
-                      flush=True)
+        print_pairs(base, forms, args.repeats, [int(x) for x in args.back_to_back.split(",")],
+                    f"{seq} 16/{kv}")
         del problem, base, forms
         torch.cuda.empty_cache()
 for framed in (True, False):

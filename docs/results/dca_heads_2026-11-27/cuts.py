@@ -16,17 +16,7 @@ import argparse
 
 import torch
 
-from bench.attention import (
-    alternating_samples,
-    dca,
-    describe_pairs,
-    fa4,
-    fwd_bwd_step,
-    inputs,
-    peak_mib,
-    time_ms,
-)
-from models.attention import kernels
+from bench.attention import dca, fa4, fwd_bwd_step, inputs, patched, print_pairs
 from models.attention.dca import grouped
 
 parser = argparse.ArgumentParser()
@@ -40,22 +30,13 @@ args = parser.parse_args()
 
 def with_cut(step, cut: str, kv_heads: int):  # noqa: ANN001, ANN202
     """step with the backward cut as `cut` says (GxR or auto)."""
-    split = grouped.split
     if cut == "auto":
-        chosen = split
-    else:
-        group, pieces = (int(x) for x in cut.split("x"))
-        def chosen(batch, seq, heads, kv):  # noqa: ANN001, ANN202, E306
-            return grouped.Split(min(group, kv), -(-seq // pieces))
+        return patched(step, grouped, "split", grouped.split)
+    group, pieces = (int(x) for x in cut.split("x"))
 
-    def run() -> object:
-        grouped.split = chosen
-        try:
-            with kernels.using("fa4"):
-                return step()
-        finally:
-            grouped.split = split
-    return run
+    def chosen(batch, seq, heads, kv, *accumulators):  # noqa: ANN001, ANN002, ANN202
+        return grouped.Split(min(group, kv), -(-seq // pieces))
+    return patched(step, grouped, "split", chosen)
 
 
 print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -66,12 +47,5 @@ for kv in (int(x) for x in args.kv_heads.split(",")):
     cuts = [c for c in args.cuts.split(",") if c == "auto" or int(c.split("x")[0]) <= kv]
     configs = {c: with_cut(fwd_bwd_step(variant, problem), c, kv) for c in cuts}
     print(f"16/{kv}: auto is {grouped.split(1, args.seq, 16, kv)}", flush=True)
-    for fn in (base, *configs.values()):
-        time_ms(fn, 3, 0)
-    peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *configs.items())}
-    for b2b in (int(x) for x in args.back_to_back.split(",")):
-        pairs = alternating_samples(base, configs, 0, args.repeats, b2b)
-        for c, samples in pairs.items():
-            print(f"{args.seq} 16/{kv} calls/sample {b2b} cut {c}: "
-                  f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak {peaks[c]:.0f} MiB = "
-                  f"{peaks[c] / peaks['fa4']:.2f}x FA4 causal's {peaks['fa4']:.0f}", flush=True)
+    print_pairs(base, {f"cut {c}": fn for c, fn in configs.items()}, args.repeats,
+                [int(x) for x in args.back_to_back.split(",")], f"{args.seq} 16/{kv}")

@@ -13,18 +13,7 @@ import argparse
 
 import torch
 
-from bench.attention import (
-    alternating_samples,
-    dca,
-    describe_pairs,
-    fa4,
-    fwd_bwd_step,
-    inputs,
-    peak_mib,
-    profile,
-    time_ms,
-)
-from models.attention import kernels
+from bench.attention import dca, fa4, fwd_bwd_step, inputs, patched, print_pairs, profile
 from models.attention.dca import plan
 
 parser = argparse.ArgumentParser()
@@ -39,16 +28,7 @@ args = parser.parse_args()
 def sharing(step, shared: bool):  # noqa: ANN001, ANN202
     """step with DCA's successive rows shared (the tree's plan) or not (a kernel block larger
     than any chunk: successive_rows = L, every row its own copy)."""
-    block = plan.KERNEL_BLOCK
-
-    def run() -> object:
-        plan.KERNEL_BLOCK = block if shared else 1 << 30
-        try:
-            with kernels.using("fa4"):
-                return step()
-        finally:
-            plan.KERNEL_BLOCK = block
-    return run
+    return patched(step, plan, "KERNEL_BLOCK", plan.KERNEL_BLOCK if shared else 1 << 30)
 
 
 print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -57,17 +37,10 @@ for seq in (int(s) for s in args.seqs.split(",")):
     for kv in (int(x) for x in args.kv_heads.split(",")):
         problem = inputs(seq, 16, kv, 128)
         base = sharing(fwd_bwd_step(fa4(), problem), True)
-        forms = {name: sharing(fwd_bwd_step(variant, problem), name == "shared")
-                 for name in ("shared", "own")}
-        for fn in (base, *forms.values()):
-            time_ms(fn, 3, 0)
-        peaks = {name: peak_mib(fn) for name, fn in (("fa4", base), *forms.items())}
-        for b2b in (int(x) for x in args.back_to_back.split(",")):
-            pairs = alternating_samples(base, forms, 0, args.repeats, b2b)
-            for name, samples in pairs.items():
-                print(f"{seq} 16/{kv} calls/sample {b2b} successive {name}: "
-                      f"{describe_pairs(samples, 'FA4 causal', 'DCA')}, peak "
-                      f"{peaks[name] / peaks['fa4']:.2f}x FA4 causal's", flush=True)
+        forms = {f"successive {name}": sharing(fwd_bwd_step(variant, problem),
+                                               name == "shared") for name in ("shared", "own")}
+        print_pairs(base, forms, args.repeats, [int(x) for x in args.back_to_back.split(",")],
+                    f"{seq} 16/{kv}")
         del problem, base, forms
         torch.cuda.empty_cache()
 for shared in (True, False):
