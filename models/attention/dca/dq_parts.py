@@ -67,8 +67,8 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
     positions: [parts, n] int32 rows of the [P, d/2] half tables, -1 where a part's
     accumulator holds no gradient for the row (its values there are never read: the kernels
     never wrote them, nor were they zeroed); factors: [parts, n] logit factors, or None (all
-    1); both with a unit last stride. out may be a view with a unit last
-    stride. Layout "fa4_sm90" needs n a multiple of 64 and d in FA4_SM90_HEAD_DIMS."""
+    1); both with a unit last stride. out may be a view with a unit last stride. Layout
+    "fa4_sm90" needs n a multiple of 64 and d in FA4_SM90_HEAD_DIMS."""
     parts = positions.shape[0]
     batch, rows, heads, dim = out.shape
     if dq_parts.data.shape != (parts * batch, heads, rows * dim):
