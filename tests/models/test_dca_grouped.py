@@ -342,10 +342,14 @@ def test_rotate_back_skips_the_rows_a_part_does_not_hold() -> None:
 
 
 @pytest.mark.parametrize(("seq", "seq_k"), [(1024, 1024), (256, 1024), (384, 896)])
-def test_dq_accumulators_are_zeroed_where_the_kernel_adds(seq: int, seq_k: int) -> None:
+def test_dq_accumulators_are_zeroed_where_the_kernel_adds(
+        seq: int, seq_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """fa4_backward's accumulators for queries that are the last s_q of s_k rows: intra and
     inter zeroed everywhere, the successive part in exactly the 64-row groups of each chunk's
-    first successive_rows rows (L = 256, successive_rows = 128)."""
+    first successive_rows rows (L = 256, successive_rows = 128), the rest left as allocated
+    (here NaN, so a zero there would show)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: empty(*shape, **kw).fill_(torch.nan))
     batch, heads, dim = 2, 3, 4
     accum = fa4_backward._zeroed_accumulators(3, batch, heads, seq, seq_k, dim, 256, 128,
                                               torch.device("cpu"))
@@ -353,7 +357,7 @@ def test_dq_accumulators_are_zeroed_where_the_kernel_adds(seq: int, seq_k: int) 
     assert not parts[0].any() and not parts[2].any()
     rows = torch.arange(seq_k - seq, seq_k, 64)  # each group's first row
     held = rows % 256 < 128
-    assert not parts[1][:, :, held].any()
+    assert not parts[1][:, :, held].any() and parts[1][:, :, ~held].isnan().all()
     groups = fa4_backward._successive_groups(seq, seq_k, 256, 128, torch.device("cpu"))
     assert torch.equal(groups, torch.nonzero(held).flatten())
     two_parts = fa4_backward._zeroed_accumulators(2, batch, heads, seq, seq_k, dim, 256, 128,
