@@ -15,7 +15,8 @@ import argparse
 
 import torch
 
-from bench.attention import dca, fa4, fwd_bwd_step, inputs, patched, print_pairs, profile
+from bench.attention import dca, fa4, fwd_bwd_step, inputs, profile
+from bench.timing import patched, print_pairs
 from models.attention.dca import plan
 
 parser = argparse.ArgumentParser()

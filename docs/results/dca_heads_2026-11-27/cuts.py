@@ -16,7 +16,8 @@ import argparse
 
 import torch
 
-from bench.attention import dca, fa4, fwd_bwd_step, inputs, patched, print_pairs
+from bench.attention import dca, fa4, fwd_bwd_step, inputs
+from bench.timing import patched, print_pairs
 from models.attention.dca import grouped
 
 parser = argparse.ArgumentParser()
@@ -28,7 +29,7 @@ parser.add_argument("--back-to-back", default="1,5")
 args = parser.parse_args()
 
 
-def with_cut(step, cut: str, kv_heads: int):  # noqa: ANN001, ANN202
+def with_cut(step, cut: str):  # noqa: ANN001, ANN202
     """step with the backward cut as `cut` says (GxR or auto)."""
     if cut == "auto":
         return patched(step, grouped, "split", grouped.split)
@@ -42,10 +43,10 @@ def with_cut(step, cut: str, kv_heads: int):  # noqa: ANN001, ANN202
 print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
 for kv in (int(x) for x in args.kv_heads.split(",")):
     problem = inputs(args.seq, 16, kv, 128)
-    base = with_cut(fwd_bwd_step(fa4(), problem), "auto", kv)
+    base = with_cut(fwd_bwd_step(fa4(), problem), "auto")
     variant = dca(8192, 1024, kernel="fa4")
     cuts = [c for c in args.cuts.split(",") if c == "auto" or int(c.split("x")[0]) <= kv]
-    configs = {c: with_cut(fwd_bwd_step(variant, problem), c, kv) for c in cuts}
+    configs = {c: with_cut(fwd_bwd_step(variant, problem), c) for c in cuts}
     print(f"16/{kv}: auto is {grouped.split(1, args.seq, 16, kv)}", flush=True)
     print_pairs(base, {f"cut {c}": fn for c, fn in configs.items()}, args.repeats,
                 [int(x) for x in args.back_to_back.split(",")], f"{args.seq} 16/{kv}")
