@@ -37,8 +37,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -181,8 +183,11 @@ def profile_summary(prof: torch.profiler.profile, wall_ms: float) -> dict[str, A
 
 
 @contextlib.contextmanager
-def profile_step(step: int, sink: list[dict[str, Any]]) -> Iterator[None]:
-    """Profile Trainer.train_step's call number `step` (1-based) of the runs inside."""
+def profile_step(step: int, sink: list[dict[str, Any]], trace: Path | None = None,
+                 ) -> Iterator[None]:
+    """Profile Trainer.train_step's call number `step` (1-based) of the runs inside; with
+    `trace`, also save its Chrome trace there (gzipped, operator shapes recorded: Perfetto
+    opens it)."""
     original = Trainer.train_step
 
     def wrapped(self: Trainer) -> tuple[float, float]:
@@ -191,10 +196,17 @@ def profile_step(step: int, sink: list[dict[str, Any]]) -> Iterator[None]:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities,
+                                    record_shapes=trace is not None) as prof:
             result = original(self)
             torch.cuda.synchronize()
         sink.append(profile_summary(prof, (time.perf_counter() - start) * 1e3))
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace.with_suffix("")))
+            with open(trace.with_suffix(""), "rb") as raw, gzip.open(trace, "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            trace.with_suffix("").unlink()
         return result
 
     Trainer.train_step = wrapped
@@ -202,6 +214,16 @@ def profile_step(step: int, sink: list[dict[str, Any]]) -> Iterator[None]:
         yield
     finally:
         Trainer.train_step = original
+
+
+def trace_path(folder: Path | None, case: dict[str, Any]) -> Path | None:
+    """Where a case's profiled step's trace goes (--trace), or None."""
+    if folder is None:
+        return None
+    parts = [case["model"], case["attention"], str(case["seq"])]
+    if case["variant"] != "-":
+        parts.append(case["variant"])
+    return folder / ("_".join(parts) + ".json.gz")
 
 
 def print_profile(case: dict[str, Any]) -> None:
@@ -248,6 +270,9 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=None, metavar="KEY",
                         help="profile the last step (excluded from the medians) of every case, "
                              "or of the cases the KEYs match")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="save each profiled step's Chrome trace (with operator shapes) "
+                             "into DIR as MODEL_ATTENTION_SEQ[_VARIANT].json.gz")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     register_configs()
@@ -282,7 +307,8 @@ def main() -> None:
                         torch.cuda.reset_peak_memory_stats()
                     try:
                         with tempfile.TemporaryDirectory() as tmp, \
-                                profile_step(steps if profile else 0, profiles), \
+                                profile_step(steps if profile else 0, profiles,
+                                             trace_path(args.trace, case)), \
                                 sampled(power):
                             rows = run_case(model, attention, seq, steps, extra, Path(tmp))
                     except Exception as exc:

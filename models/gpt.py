@@ -144,9 +144,10 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig,
     rank) and run options.
 
     `options.fused_rope` turns on megatron's `apply_rope_fusion` with our Triton kernels
-    (models/fused_rope.py) for the layers megatron rotates; a variant that rotates q and k itself
-    (DCA, in its own fused kernels) is unaffected. `options.dca_cuda_graphs` (DCA on the GPU
-    only) replays DCA's passes as CUDA graphs (models/attention/dca/graphs.py).
+    (models/fused_rope.py) for the layers megatron rotates, and, where it rotates every layer,
+    its `fused_single_qkv_rope` (the QKV split and RoPE in one pass); a variant that rotates q
+    and k itself (DCA, in its own fused kernels) is unaffected. `options.dca_cuda_graphs` (DCA
+    on the GPU only) replays DCA's passes as CUDA graphs (models/attention/dca/graphs.py).
     """
     attention, parallel = typed_attention(attention), parallel or ParallelConfig()
     tp, pp, o = parallel.tp, parallel.pp, options
@@ -192,6 +193,9 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=rope_fusion,
+        # the split of the fused QKV and its RoPE as one pass each way (models/fused_rope.py);
+        # megatron takes that path only if every layer rotates, and asserts that it can
+        fused_single_qkv_rope=rope_fusion and no_rope is None,
         fused_rmsnorm=o.fused_norm and model.normalization == "RMSNorm",
         no_rope_freq=no_rope,
         attention=attention,

@@ -78,31 +78,45 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
                  sin_half: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, s, h, d] to several position sets in one pass.
 
-    positions: [n, s] integer rows of the tables, or -1 where a rotation's row is not needed
-    (left unwritten on CUDA, unspecified elsewhere); cos_half, sin_half: [P, d/2] (first half of
-    `rope_cos_sin`'s output). Returns a contiguous [n, b, s, h, d] tensor in x's dtype, so each
-    rotation `out[i]` is itself contiguous (the layout the chunk-batched kernels view for free).
+    x may also be [b, s, groups, heads_per_group, d], the heads of megatron's fused QKV
+    projection in their groups (whose head strides differ within and across groups): its heads
+    are then the groups' heads in order. positions: [n, s] integer rows of the tables, or -1
+    where a rotation's row is not needed (left unwritten on CUDA, unspecified elsewhere);
+    cos_half, sin_half: [P, d/2] (first half of `rope_cos_sin`'s output). Returns a contiguous
+    [n, b, s, h, d] tensor in x's dtype, so each rotation `out[i]` is itself contiguous (the
+    layout the chunk-batched kernels view for free).
     """
     n = positions.shape[0]
-    b, s, h, d = x.shape
+    b, s, h, d = x.shape[0], x.shape[1], x.shape[2:-1].numel(), x.shape[-1]
     out = torch.empty((n, b, s, h, d), dtype=x.dtype, device=x.device)
     if not use_triton(x):
+        x = x.reshape(b, s, h, d)
         for i in range(n):
             cos, sin = half_tables(cos_half, sin_half, positions[i].clamp(min=0))
             out[i] = apply_rope(x, cos, sin)
         return out
     pos = positions.to(torch.int32).contiguous()
+    per_group, group_stride, head_stride = _head_layout(x, 2)
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
     block_s = max(1, 4096 // (block_h * block_d))
     grid = (triton.cdiv(s, block_s), b)
     _rotate_multi_kernel[grid](
-        x, out, pos, cos_half, sin_half, s, h,
-        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        out.stride(3), pos.stride(0), cos_half.stride(0),
+        x, out, pos, cos_half, sin_half, s, h, per_group,
+        x.stride(0), x.stride(1), group_stride, head_stride, out.stride(0), out.stride(1),
+        out.stride(2), out.stride(3), pos.stride(0), cos_half.stride(0),
         NUM_OUT=n, HALF=d // 2, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=8,
     )
     return out
+
+
+def _head_layout(x: torch.Tensor, token_dims: int) -> tuple[int, int, int]:
+    """(heads per group, group stride, head stride) of x's head dims, those after its first
+    `token_dims`: [.., h, d] is one group of h heads; [.., groups, heads_per_group, d] holds its
+    heads in groups (megatron's fused QKV layout)."""
+    if x.dim() == token_dims + 3:
+        return x.shape[-2], x.stride(-3), x.stride(-2)
+    return x.shape[-2], 0, x.stride(-2)
 
 
 def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor] | None,
@@ -113,32 +127,37 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
     grads: 1 to 3 [s, h, d] tensors (any strides with a unit last stride, any float dtype,
     summed in float32 or float64); positions: matching contiguous [s] int32 rows of the tables,
     or None for a plain sum; out: [s, h, d], written in place, or added to (`accumulate`: out
-    joins the sum before its one rounding). out may be grads[0] itself (each row is read
-    before it is written).
+    joins the sum before its one rounding), or [s, groups, heads_per_group, d] (the query slots
+    of megatron's fused QKV gradient; not accumulated), its heads the groups' in order. out may
+    be grads[0] itself (each row is read before it is written).
     """
     if not 1 <= len(grads) <= 3:
         raise ValueError(f"rotate_transpose_sum takes 1 to 3 gradients, got {len(grads)}")
-    s, h, d = out.shape
+    if out.dim() == 4 and accumulate:
+        raise ValueError("rotate_transpose_sum accumulates into [s, h, d] outputs only")
+    s, h, d = out.shape[0], out.shape[1:-1].numel(), out.shape[-1]
     if not use_triton(out):
         acc = (out.to(cos_half.dtype) if accumulate
-               else torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device))
+               else torch.zeros((s, h, d), dtype=cos_half.dtype, device=out.device))
         for i, g in enumerate(grads):
             if positions is None:
                 acc += g
             else:
                 cos, sin = half_tables(cos_half, sin_half, positions[i])
                 acc += apply_rope(g.unsqueeze(0).to(acc.dtype), cos, -sin)[0]  # [s, h, d]
-        out.copy_(acc)
+        out.copy_(acc.view(out.shape))
         return
+    per_group, group_stride, head_stride = _head_layout(out, 1)
     g = list(grads) + [grads[0]] * (3 - len(grads))  # unused slots: never read (NUM_IN)
     p = [cos_half] if positions is None else list(positions)  # cos_half: never read
     p = p + [p[0]] * (3 - len(p))
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
     block_s = max(1, 4096 // (block_h * block_d))
     _rotate_transpose_sum_kernel[(triton.cdiv(s, block_s),)](
-        g[0], g[1], g[2], p[0], p[1], p[2], cos_half, sin_half, out, s, h,
+        g[0], g[1], g[2], p[0], p[1], p[2], cos_half, sin_half, out, s, h, per_group,
         g[0].stride(0), g[0].stride(1), g[1].stride(0), g[1].stride(1),
-        g[2].stride(0), g[2].stride(1), out.stride(0), out.stride(1), cos_half.stride(0),
+        g[2].stride(0), g[2].stride(1), out.stride(0), group_stride, head_stride,
+        cos_half.stride(0),
         NUM_IN=len(grads), ROTATE=positions is not None, ACCUMULATE=accumulate, HALF=d // 2,
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
     )
@@ -175,18 +194,20 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _rotate_multi_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, S, H,
-                             sxb, sxs, sxh, son, sob, sos, soh, spn, stab,
+    def _rotate_multi_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, S, H, PER_GROUP,
+                             sxb, sxs, sxg, sxh, son, sob, sos, soh, spn, stab,
                              NUM_OUT: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        # One program: BLOCK_S tokens x all heads; x is read once for every rotation.
+        # One program: BLOCK_S tokens x all heads; x is read once for every rotation. x's
+        # heads lie in groups of PER_GROUP (group stride sxg, head stride sxh within one).
         b = tl.program_id(1).to(tl.int64)
         tok = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS]
         head = tl.arange(0, BLOCK_H)
         dim = tl.arange(0, BLOCK_D)
         tok_ok = tok < S
         mask = tok_ok[:, None, None] & (head < H)[None, :, None] & (dim < HALF)[None, None, :]
-        x_off = b * sxb + tok[:, None, None] * sxs + head[None, :, None] * sxh + dim[None, None, :]
+        x_head = (head // PER_GROUP) * sxg + (head % PER_GROUP) * sxh
+        x_off = b * sxb + tok[:, None, None] * sxs + x_head[None, :, None] + dim[None, None, :]
         x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [BS, BH, BD]
         x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
         o_off = b * sob + tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
@@ -227,8 +248,8 @@ if triton is not None:
 
     @triton.jit
     def _rotate_transpose_sum_kernel(g0_ptr, g1_ptr, g2_ptr, p0_ptr, p1_ptr, p2_ptr,
-                                     cos_ptr, sin_ptr, out_ptr, S, H,
-                                     s0s, s0h, s1s, s1h, s2s, s2h, sos, soh, stab,
+                                     cos_ptr, sin_ptr, out_ptr, S, H, PER_GROUP,
+                                     s0s, s0h, s1s, s1h, s2s, s2h, sos, sog, soh, stab,
                                      NUM_IN: tl.constexpr, ROTATE: tl.constexpr,
                                      ACCUMULATE: tl.constexpr, HALF: tl.constexpr,
                                      BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -256,6 +277,8 @@ if triton is not None:
             acc1, acc2 = _accumulate_transposed(acc1, acc2, g2_ptr, s2s, s2h, p2_ptr, cos_ptr,
                                                 sin_ptr, stab, tok, head, dim, mask, tab_mask,
                                                 tok_ok, ROTATE, HALF)
-        o_off = tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
+        # out's heads in groups of PER_GROUP, as _rotate_multi_kernel's x
+        o_head = (head // PER_GROUP) * sog + (head % PER_GROUP) * soh
+        o_off = tok[:, None, None] * sos + o_head[None, :, None] + dim[None, None, :]
         tl.store(out_ptr + o_off, acc1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + o_off + HALF, acc2.to(out_ptr.dtype.element_ty), mask=mask)

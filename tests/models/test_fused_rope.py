@@ -1,7 +1,8 @@
 """Fused RoPE (models/fused_rope.py) against megatron's own unfused RoPE as the oracle: values
-and gradients in float64, packed (THD) sequences, and a whole model switched to
-`apply_rope_fusion` (same state, same logits and gradients). On CPU the kernels' torch
-fallback runs; tests/gpu/test_fused_rope_gpu.py runs the Triton path."""
+and gradients in float64, packed (THD) sequences, the fused QKV split against megatron's split
+and RoPE, and a whole model switched to `apply_rope_fusion` (same state, same logits and
+gradients). On CPU the kernels' torch fallback runs; tests/gpu/test_fused_rope_gpu.py runs the
+Triton path."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer import attention as megatron_attention
 
-from models.fused_rope import fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd
+from models.fused_rope import (
+    fused_apply_qkv_rotary_pos_emb,
+    fused_apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb_thd,
+)
 from models.gpt import build_gpt, transformer_config
 from models.options import BuildOptions
 from models.schema import AttentionConfig, ModelConfig
@@ -78,18 +84,78 @@ def test_refuses_tables_it_does_not_rotate_by() -> None:
         fused_apply_rotary_pos_emb(x, _freqs(8, 8))  # rotary_percent < 1
 
 
+def _megatron_split(mixed: torch.Tensor, freqs: torch.Tensor,
+                    split: list[int]) -> tuple[torch.Tensor, ...]:
+    """megatron's unfused path: split the fused QKV, reshape the query heads out of their
+    groups, rotate q and k."""
+    q, k, v = torch.split(mixed, split, dim=3)
+    q = q.reshape(q.shape[0], q.shape[1], -1, split[1])
+    return (rope_utils._apply_rotary_pos_emb_bshd(q, freqs),
+            rope_utils._apply_rotary_pos_emb_bshd(k, freqs), v)
+
+
+@pytest.mark.parametrize("q_per_group", [1, 4])
+def test_fused_qkv_split_matches_megatrons_split_and_rope(q_per_group: int) -> None:
+    """q, k, v and the fused gradient, float64, MHA and GQA, batch 2; v is a view of the
+    projection (no copy) and the gradient one tensor of its layout."""
+    s, b, groups, d = 50, 2, 3, 16
+    split = [q_per_group * d, d, d]
+    freqs = _freqs(s, d)
+    mixed = torch.randn(s, b, groups, sum(split), dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(0))
+    grads = [torch.randn(s, b, groups * n, d, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(n)) for n in (q_per_group, 1, 1)]
+    ours, ref = mixed.clone().requires_grad_(), mixed.clone().requires_grad_()
+    out = fused_apply_qkv_rotary_pos_emb(ours, freqs, freqs, split)
+    expected = _megatron_split(ref, freqs, split)
+    tol = dict(rtol=1e-6, atol=1e-6)  # float32 tables on both sides, as above
+    for a, e in zip(out, expected):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, **tol)
+    assert out[2].data_ptr() == ours.data_ptr() + sum(split[:2]) * 8  # v: a view, not a copy
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(expected, grads)
+    torch.testing.assert_close(ours.grad, ref.grad, **tol)
+
+
+def test_fused_qkv_backward_is_the_transpose_by_finite_differences() -> None:
+    s, b, groups, q_per_group, d = 12, 2, 2, 3, 8
+    split = [q_per_group * d, d, d]
+    freqs = _freqs(s, d)
+    mixed = torch.randn(s, b, groups, sum(split), dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(
+        lambda t: fused_apply_qkv_rotary_pos_emb(t, freqs, freqs, split), (mixed,))
+
+
+def test_fused_qkv_refuses_what_it_does_not_split() -> None:
+    mixed = torch.randn(8, 1, 2, 6 * 16)
+    with pytest.raises(ValueError, match="rotate-half"):
+        fused_apply_qkv_rotary_pos_emb(mixed, _freqs(8, 16), _freqs(8, 16), [64, 16, 16],
+                                       interleaved=True)
+    with pytest.raises(ValueError, match="whole query heads"):
+        fused_apply_qkv_rotary_pos_emb(mixed, _freqs(8, 16), _freqs(8, 16), [40, 16, 16])
+
+
 @pytest.mark.parametrize("kind", ["standard", "chunked"])
 def test_a_model_with_fused_rope_is_the_same_model(single_process, kind: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Standard attention rotates every layer: megatron takes the fused QKV split (one call a
+    layer). Chunked attention's global layers skip RoPE, so megatron's split stays and each
+    rotated layer's q and k take the fused RoPE."""
     model = ModelConfig(num_query_groups=2, rope_theta=500000.0)
     attention = AttentionConfig(kind=kind, chunk_size=16, global_layer_interval=2)
     plain_cfg = transformer_config(model, attention)
     fused_cfg = transformer_config(model, attention, options=BuildOptions(fused_rope=True))
     assert fused_cfg.apply_rope_fusion and not plain_cfg.apply_rope_fusion
+    assert fused_cfg.fused_single_qkv_rope == (kind == "standard")
     assert rope_utils.fused_apply_rotary_pos_emb is fused_apply_rotary_pos_emb  # no TE here
-    calls = []
+    assert megatron_attention.apply_fused_qkv_rotary_pos_emb is fused_apply_qkv_rotary_pos_emb
+    calls, qkv_calls = [], []
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb",
                         lambda *a, **k: calls.append(1) or fused_apply_rotary_pos_emb(*a, **k))
+    monkeypatch.setattr(megatron_attention, "apply_fused_qkv_rotary_pos_emb",
+                        lambda *a, **k: qkv_calls.append(1)
+                        or fused_apply_qkv_rotary_pos_emb(*a, **k))
     plain, fused = build_gpt(plain_cfg, 256, 64), build_gpt(fused_cfg, 256, 64)
     fused.load_state_dict(plain.state_dict())
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -100,8 +166,10 @@ def test_a_model_with_fused_rope_is_the_same_model(single_process, kind: str,
         out.float().pow(2).mean().backward()
         losses.append(out)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    rotated = 2 if kind == "standard" else 1  # chunked: layer 2 is global, without RoPE
-    assert len(calls) == 2 * rotated  # q and k of each rotated layer, through our kernel
+    if kind == "standard":  # both layers through the fused QKV split
+        assert (len(qkv_calls), len(calls)) == (2, 0)
+    else:  # layer 2 is global, without RoPE; layer 1's q and k through our kernel
+        assert (len(qkv_calls), len(calls)) == (0, 2)
     for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
