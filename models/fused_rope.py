@@ -99,12 +99,15 @@ class _QKVRotate(torch.autograd.Function):
                  dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         positions, q_cos, q_sin, k_cos, k_sin = ctx.saved_tensors
         shape, dtype, q_per_group = ctx.layout
+        dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
         d_mixed = torch.empty(shape, dtype=dtype, device=dq.device)
         dq_slots, dk_slots, dv_slots = _slots(d_mixed, q_per_group, shape[-1] // (q_per_group + 2))
-        for b in range(shape[1]):  # [s, heads, d] into [s, groups, q_per_group, d]
+        for b in range(shape[1]):  # dq [s, heads, d] into [s, groups, q_per_group, d]
             rotate_transpose_sum([dq[:, b]], [positions[0]], q_cos, q_sin, dq_slots[:, b])
             rotate_transpose_sum([dk[:, b]], [positions[0]], k_cos, k_sin, dk_slots[:, b])
-        dv_slots.copy_(dv)
+            # dv as it is: a vectorised copy into its strided slots (torch's copy_ into that
+            # layout is a slow unvectorised kernel: docs/benchmarks.md)
+            rotate_transpose_sum([dv[:, b]], None, q_cos, q_sin, dv_slots[:, b])
         return d_mixed, None, None, None
 
 
