@@ -13,12 +13,14 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.attention.registry import STANDARD, is_global_layer, variant
 from models.config import LongContextConfig
+from models.fused_qkv import GroupedQuerySelfAttention
 from models.fused_rmsnorm import FusedRMSNorm
 
 
 def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
     """megatron's local (Transformer-Engine-free) GPT layer spec with `core_attention` swapped in
-    (and the head-gated self-attention when the gate is on: it works with any core)."""
+    (and the head-gated self-attention when the gate is on: it works with any core; else, for a
+    core that takes the query heads in their groups, the self-attention that hands them so)."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention
     if config.fused_rmsnorm:  # Triton RMSNorm (fused_rmsnorm.py) in place of torch.nn.RMSNorm
@@ -26,6 +28,8 @@ def layer_spec(config: LongContextConfig, core_attention: type) -> ModuleSpec:
         spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     if config.attention.head_wise_attn_gate:
         spec.submodules.self_attention.module = HeadGatedSelfAttention
+    elif core_attention.takes_grouped_query:  # no query copy, no gradient concatenation
+        spec.submodules.self_attention.module = GroupedQuerySelfAttention
     return spec
 
 

@@ -43,6 +43,10 @@ def _scaled_softmax_scale(config: TransformerConfig, layer_number: int,
 class CoreAttention(MegatronModule):
     """Base class: layout conversion and the megatron constructor signature."""
 
+    # Whether `attend` takes q [b, s, kv_heads, q_per_kv, d] too: the query heads in their
+    # groups, views of megatron's fused projection (models/fused_qkv.py, models/spec.py)
+    takes_grouped_query = False
+
     def __init__(self, config: TransformerConfig, layer_number: int,
                  attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -87,6 +91,9 @@ class CoreAttention(MegatronModule):
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by our core attentions")
+        if query.dim() == 5 and (self.cp_group is not None or packed_seq_params is not None
+                                 or active_probe() is not None):
+            query = query.flatten(2, 3)  # [s, b, heads, d]: only `attend` takes heads in groups
         if self.cp_group is not None:
             if packed_seq_params is not None:
                 raise NotImplementedError(

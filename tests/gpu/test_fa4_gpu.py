@@ -25,6 +25,7 @@ from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca import graphs as dca_graphs
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.scaling import DCAScaling
+from models.fused_qkv import split_grouped
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
 from tests.reference import causal_mask, dense_attention, document_ids, positions_in_document
 
@@ -244,6 +245,34 @@ def test_dca_kernels_on_views_of_a_fused_qkv(hk: int, dca_path: str) -> None:
     k, v = mixed[..., group * D:(group + 1) * D], mixed[..., (group + 1) * D:]
     assert not k.is_contiguous() and not v.is_contiguous()
     _check(_dca_errors(q, k, v, torch.randn_like(q), 1024, 128))
+
+
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_kernels_on_query_heads_in_their_groups(hk: int, dca_path: str) -> None:
+    """q as GroupedQuerySelfAttention hands it over (models/fused_qkv.py): views of megatron's
+    projection [s, b, hk, (hq / hk + 2) d] with the query heads in their groups, read in
+    place by the rotations; dq (rotate_back into heads in groups), dk and dv written into one
+    gradient of the projection's layout, which the split's backward returns whole."""
+    torch.manual_seed(0)
+    group = 8 // hk
+    fused = torch.randn(4096, 1, hk, (group + 2) * D, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+    seen = []
+    fused.register_hook(seen.append)
+    q, k, v = (x.transpose(0, 1) for x in split_grouped(fused, group))  # [b, s, ...]
+    dout = torch.randn(1, 4096, 8, D, device="cuda", dtype=torch.bfloat16)
+    out = dual_chunk_attention(q, k, v, chunk_size=1024, local_size=128)
+    (grad,) = torch.autograd.grad(out, fused, dout)
+    assert seen[0]._base is not None  # the slots' tensor, not an assembled copy
+    flat = [x.detach().flatten(2, 3) if x.dim() == 5 else x.detach() for x in (q, k, v)]
+    ref, leaves = dca_reference_by_part(*flat, 1024, 128, None)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    q_grad, k_grad, v_grad = (x.transpose(0, 1) for x in split_grouped(grad, group))
+    errors = [rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(
+        (q_grad.flatten(2, 3), k_grad, v_grad), ref_grads)]
+    print("relative errors out, dq, dk, dv:", errors)
+    _check(errors)
 
 
 @pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)

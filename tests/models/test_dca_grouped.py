@@ -17,6 +17,7 @@ from models.attention.dca.dq_parts import DQParts, rotate_back
 from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.dca.scaling import DCAScaling
 from models.attention.rope import apply_rope, rope_cos_sin
+from models.fused_qkv import split_grouped
 from tests.models.test_dca import assert_matches_reference
 from tests.models.test_dca_scaling import check, log_factor, part_factors
 
@@ -167,8 +168,8 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(grouped, "forward", lambda *args: taken.append("forward") or (
         torch.zeros_like(args[0]), torch.zeros(args[0].shape[0], args[0].shape[2],
                                                args[0].shape[1], dtype=torch.float64)))
-    monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, out, lse, dout, cut:
-                        taken.append(f"backward({cut.kv_per_group}, {cut.rows})") or (
+    monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, out, lse, dout, cut,
+                        grads: taken.append(f"backward({cut.kv_per_group}, {cut.rows})") or (
                             torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
@@ -444,3 +445,30 @@ def test_kernel_forward_matches_the_reference(
         q_rot.shape[0]) or dense_kernel_forward(q_rot, *args))
     assert_matches_reference(batch, seq, hq, hk, 8, chunk_size=10, local_size=3)
     assert calls == [batch * min(3, -(-seq // 7))]  # one call, every part
+
+
+@pytest.mark.parametrize(("hq", "hk"), [(2, 2), (6, 2)])
+@pytest.mark.parametrize("group_size", [1, 2])  # key heads per backward group
+def test_kernels_on_query_heads_in_their_groups(
+        hq: int, hk: int, group_size: int, monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
+    """q as GroupedQuerySelfAttention hands it over (models/fused_qkv.py): views of megatron's
+    projection [s, b, hk, (hq / hk + 2) d], the query heads in their groups, read by the
+    rotations in place; dq, dk and dv written into one gradient of the projection's layout,
+    which the split returns whole. Against the same call on 4-D copies (L = 7, 52 tokens)."""
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(group_size, 13))
+    seq, d, g = 52, 8, hq // hk
+    fused = torch.randn(seq, 2, hk, (g + 2) * d, dtype=torch.float64, requires_grad=True)
+    seen = []
+    fused.register_hook(seen.append)
+    q, k, v = (x.transpose(0, 1) for x in split_grouped(fused, g))  # [b, s, ...]
+    out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3)
+    dout = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, fused, dout)
+    assert seen[0]._base is not None  # the slots' tensor, not an assembled copy
+    flat = [x.detach().clone().requires_grad_() for x in (q.flatten(2, 3), k, v)]
+    expected = dual_chunk_attention(*flat, chunk_size=10, local_size=3)
+    torch.testing.assert_close(out, expected)
+    dq, dk, dv = torch.autograd.grad(expected, flat, dout)
+    q_grad, k_grad, v_grad = (x.transpose(0, 1) for x in split_grouped(grad, g))
+    torch.testing.assert_close((q_grad.flatten(2, 3), k_grad, v_grad), (dq, dk, dv))

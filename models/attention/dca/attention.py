@@ -34,10 +34,11 @@ from models.attention.dca import grouped
 from models.attention.dca.backward import dca_backward
 from models.attention.dca.calls import INTER, Call, blocks, document_calls
 from models.attention.dca.graphs import DCAGraphs, graphs_for
-from models.attention.dca.plan import DCAPlan, check_qkv, check_sizes
+from models.attention.dca.plan import DCAPlan, check_qkv, check_sizes, flat_heads
 from models.attention.dca.scaling import DCAScaling
 from models.attention.lse_attention import accumulation_dtype, attention_forward, merge_partials
 from models.attention.rope import rotate
+from models.fused_qkv import gradient_slots
 from models.recompute import keep_attention, kept_attention
 from models.rope_scaling import RopeScaling
 
@@ -51,7 +52,7 @@ class _DualChunkAttention(torch.autograd.Function):
             v = v.contiguous()  # the part calls' chunk views need a dense token axis
         # Inside a recomputed layer (models/recompute.py) the first forward keeps (out, lse)
         # and the recompute reuses them: only the backward's inputs are rebuilt.
-        kept = kept_attention(q.shape)
+        kept = kept_attention(flat_heads(q).shape)  # out's shape
         if kept is None:
             out, lse = graphs.forward(q, k, v) if graphs else _forward(q, k, v, plan, scale)
             keep_attention(out, lse)
@@ -68,7 +69,11 @@ class _DualChunkAttention(torch.autograd.Function):
         dout = dout.contiguous()  # out's layout, as the kernel backwards require
         if ctx.graphs is not None:
             return *ctx.graphs.backward(q, k, v, out, lse, dout), None, None, None
-        return *dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout), None, None, None
+        # q in its groups (views of megatron's projection: models/fused_qkv.py): dq, dk and dv
+        # into one tensor of the projection's layout, which its split returns as it is
+        grads = gradient_slots(q, k, v) if q.dim() == 5 else None
+        return (*dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout, grads), None, None,
+                None)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
@@ -137,7 +142,9 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                          cuda_graphs: bool = False, backward: str = "auto") -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
-    q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], kv_heads
+    q: [batch, seq, q_heads, head_dim], or [batch, seq, kv_heads, q_heads / kv_heads, head_dim]
+    (megatron's query heads in their groups: models/fused_qkv.py; read in place by DCA's
+    kernels, copied for its other paths); k, v: [batch, seq, kv_heads, head_dim], kv_heads
     dividing q_heads (GQA); q and k *before* RoPE (rotate-half over the full head dim, cos and
     sin times `mscale`; frequencies scaled per `rope_scaling`). `softmax_scale` defaults to
     head_dim ** -0.5. `cu_seqlens` (batch 1): cumulative document lengths from 0 to seq;
@@ -154,16 +161,21 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     check_qkv(q, k, v)
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    paths = grouped.paths(q, chunk_size - local_size, bounds is not None, backward)
-    plan = DCAPlan(q, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
+    shape = flat_heads(q)  # q's [b, s, hq, d] shape, dtype and device
+    paths = grouped.paths(shape, chunk_size - local_size, bounds is not None, backward)
+    plan = DCAPlan(shape, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
                    scaling or DCAScaling(), rope_scaling, paths)
+    use_graphs = (cuda_graphs and bounds is None and q.is_cuda
+                  and q.dtype in (torch.bfloat16, torch.float16)
+                  and not torch.cuda.is_current_stream_capturing())
+    if q.dim() == 5 and (plan.causal or not plan.paths.kernels or use_graphs):
+        q = q.flatten(2, 3)  # a copy: only DCA's kernels read the query heads in their groups
     if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
                                 cu_seqlens=None if bounds is None else torch.tensor(bounds))
     graphs = None
-    if (cuda_graphs and bounds is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and not torch.cuda.is_current_stream_capturing()):
+    if use_graphs:
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
                float(mscale), scale, scaling, rope_scaling, kernels.active(),
                plan.paths)

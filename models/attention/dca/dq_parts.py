@@ -67,10 +67,12 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
     positions: [parts, n] int32 rows of the [P, d/2] half tables, -1 where a part's
     accumulator holds no gradient for the row (its values there are never read: the kernels
     never wrote them, nor were they zeroed); factors: [parts, n] logit factors, or None (all
-    1); both with a unit last stride. out may be a view with a unit last stride. Layout
-    "fa4_sm90" needs n a multiple of 64 and d in FA4_SM90_HEAD_DIMS."""
+    1); both with a unit last stride. out may be a view with a unit last stride, also [b, n,
+    groups, heads_per_group, d] (heads in groups, as in megatron's fused QKV projection: the
+    groups' heads in order). Layout "fa4_sm90" needs n a multiple of 64 and d in
+    FA4_SM90_HEAD_DIMS."""
     parts = positions.shape[0]
-    batch, rows, heads, dim = out.shape
+    batch, rows, heads, dim = out.shape[0], out.shape[1], out.shape[2:-1].numel(), out.shape[-1]
     if dq_parts.data.shape != (parts * batch, heads, rows * dim):
         raise ValueError(f"dQ parts {tuple(dq_parts.data.shape)} do not fit {parts} parts of "
                          f"dq {tuple(out.shape)}")
@@ -81,12 +83,14 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
         _rotate_back_torch(dq_parts, positions, cos_half, sin_half, factors, scale, out)
         return
     half = dim // 2
+    per_group, group_stride, head_stride = ((out.shape[3], out.stride(2), out.stride(3))
+                                            if out.dim() == 5 else (heads, 0, out.stride(2)))
     _rotate_back_kernel[(rows // 64, heads, batch)](
         dq_parts.data, positions, cos_half, sin_half,
         factors if factors is not None else cos_half, out,
-        batch, dq_parts.data.stride(0), dq_parts.data.stride(1), positions.stride(0),
+        batch, per_group, dq_parts.data.stride(0), dq_parts.data.stride(1), positions.stride(0),
         cos_half.stride(0), factors.stride(0) if factors is not None else 0, out.stride(0),
-        out.stride(1), out.stride(2), scale,
+        out.stride(1), group_stride, head_stride, scale,
         PARTS=parts, DIM=dim, HALF=half, COL8=triton.next_power_of_2(half // 8),
         FACTORS=factors is not None, num_warps=4,
     )
@@ -96,12 +100,12 @@ def _rotate_back_torch(dq_parts: DQParts, positions: torch.Tensor, cos_half: tor
                        sin_half: torch.Tensor, factors: torch.Tensor | None, scale: float,
                        out: torch.Tensor) -> None:
     parts = positions.shape[0]
-    batch, rows, heads, dim = out.shape
+    batch, rows, heads, dim = out.shape[0], out.shape[1], out.shape[2:-1].numel(), out.shape[-1]
     data = dq_parts.data.view(parts, batch, heads, rows * dim)
     grads = (fa4_sm90_rows(data, dim) if dq_parts.layout == "fa4_sm90"
              else data.view(parts, batch, heads, rows, dim))
     grads = grads.transpose(2, 3).to(cos_half.dtype) * scale  # [p, b, n, h, d]
-    total = torch.zeros(out.shape, dtype=cos_half.dtype, device=out.device)
+    total = torch.zeros(batch, rows, heads, dim, dtype=cos_half.dtype, device=out.device)
     for p in range(parts):
         used = positions[p] >= 0
         grad = torch.where(used[None, :, None, None], grads[p], 0)  # unused rows: unspecified
@@ -109,7 +113,7 @@ def _rotate_back_torch(dq_parts: DQParts, positions: torch.Tensor, cos_half: tor
             grad = grad * factors[p, None, :, None, None]
         cos, sin = half_tables(cos_half, sin_half, positions[p].clamp(min=0))
         total += apply_rope(grad, cos, -sin)  # R^T: the rotation with sin negated
-    out.copy_(total)
+    out.copy_(total.view(out.shape))
 
 
 if triton is not None:
@@ -127,9 +131,10 @@ if triton is not None:
 
     @triton.jit
     def _rotate_back_kernel(data_ptr, pos_ptr, cos_ptr, sin_ptr, factor_ptr, out_ptr,
-                            B, s_data_bp, s_data_h, s_pos, s_tab, s_factor, s_out_b, s_out_s,
-                            s_out_h, scale, PARTS: tl.constexpr, DIM: tl.constexpr,
-                            HALF: tl.constexpr, COL8: tl.constexpr, FACTORS: tl.constexpr):
+                            B, PER_GROUP, s_data_bp, s_data_h, s_pos, s_tab, s_factor,
+                            s_out_b, s_out_s, s_out_g, s_out_h, scale, PARTS: tl.constexpr,
+                            DIM: tl.constexpr, HALF: tl.constexpr, COL8: tl.constexpr,
+                            FACTORS: tl.constexpr):
         # One program: 64 rows of one head of one sequence, every part.
         group = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -156,6 +161,8 @@ if triton is not None:
                 sin = sin * f
             acc1 += g1 * cos + g2 * sin  # R^T g: (g1 c + g2 s, g2 c - g1 s)
             acc2 += g2 * cos - g1 * sin
-        o_off = b * s_out_b + row[:, None] * s_out_s + head * s_out_h + c[None, :]
+        # out's heads in groups of PER_GROUP (one group: PER_GROUP heads, s_out_g unused)
+        o_head = (head // PER_GROUP) * s_out_g + (head % PER_GROUP) * s_out_h
+        o_off = b * s_out_b + row[:, None] * s_out_s + o_head + c[None, :]
         tl.store(out_ptr + o_off, (acc1 * scale).to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(out_ptr + o_off + HALF, (acc2 * scale).to(out_ptr.dtype.element_ty), mask=ok)

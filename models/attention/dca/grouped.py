@@ -37,7 +37,7 @@ from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
 from models.attention.dca.dq_parts import rotate_back
 from models.attention.dca.plan import KERNEL_BLOCK as BLOCK
-from models.attention.dca.plan import DCAPlan, KernelPaths
+from models.attention.dca.plan import DCAPlan, KernelPaths, flat_heads
 from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
@@ -66,7 +66,7 @@ def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
     sequence, L and the sequence multiples of BLOCK, head_dim one of HEAD_DIMS. Decided once
     per call, in its DCAPlan."""
     return (kernels.fa4_applies(q) and not packed and length % BLOCK == 0
-            and q.shape[1] % BLOCK == 0 and q.shape[3] in HEAD_DIMS)
+            and q.shape[1] % BLOCK == 0 and q.shape[-1] in HEAD_DIMS)
 
 
 def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> KernelPaths:
@@ -137,10 +137,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts, from DCA's
     forward kernel; q, k, v of any strides with a unit last one (as megatron's views of its
-    fused QKV projection)."""
-    batch, seq, heads, _ = q.shape
+    fused QKV projection), q also [b, s, hk, hq / hk, d] (its heads in groups)."""
+    batch, seq, heads, _ = flat_heads(q).shape
     q_rot, k_rot = plan.rotate(q, k)  # [p, b, s, hq, d], [b, s, hk, d]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty(q_rot.shape[1:], dtype=q.dtype, device=q.device)  # [b, s, hq, d]
     lse = torch.empty(batch, heads, seq, dtype=accumulation_dtype(q), device=q.device)
     fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, plan.successive_rows,
                         out, lse)
@@ -149,9 +149,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
 
 def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, cut: Split,
+             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention through DCA's backward kernel, in the pieces `cut`
-    says; out and dout contiguous [b, s, h, d], q, k, v of any strides with a unit last one.
+    says; out and dout contiguous [b, s, h, d], q, k, v of any strides with a unit last one, q
+    also [b, s, hk, hq / hk, d] (its heads in groups). `grads`: where to write dq, dk and dv
+    (views shaped as q, k and v: models/fused_qkv.py's slots), else new contiguous tensors.
 
     A group of key heads (with its query heads) is a whole backward of its own: its dq, dk and
     dv leave it complete, into views of the heads' slices. Within a group the queries go in even
@@ -162,22 +165,24 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     sums converted once at the end), dk in k_rot's frame until one rotation back at the end.
     Only one piece's rotated q and per-part dQ accumulators are alive at a time.
     """
-    batch, seq, heads = q.shape[:3]
+    batch, seq, heads = flat_heads(q).shape[:3]
     heads_kv = k.shape[2]
     group = heads // heads_kv
     count = -(-seq // max(cut.rows, BLOCK))
     size = -(-seq // count // BLOCK) * BLOCK
     k_rot = plan.rotate_k(k)  # [b, s, hk, d]
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk, dv = torch.empty_like(k_rot), torch.empty_like(v, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k_rot)  # in k_rot's frame until the last rotation
+    dq, dk_out, dv = grads or (torch.empty_like(q, memory_format=torch.contiguous_format), dk,
+                               torch.empty_like(v, memory_format=torch.contiguous_format))
     for kv in cut.head_groups(heads_kv):
         hq = slice(kv.start * group, kv.stop * group)
+        q_heads = kv if q.dim() == 5 else hq  # q's (and dq's) index of the group's heads
         # with GQA every piece adds its dK/dV into float32 sums, converted once after the last
         sums = (fa4_backward.kv_accumulators(k_rot[:, :, kv], v[:, :, kv]) if group > 1
                 else None)
         for end in range(seq, 0, -size):
             span = slice(max(end - size, 0), end)
-            q_rot = plan.rotate_parts(q[:, :, hq], span)  # [p, b, n, hq', d]
+            q_rot = plan.rotate_parts(q[:, :, q_heads], span)  # [p, b, n, hq', d]
             key_grads = (dk[:, :end, kv], dv[:, :end, kv]) if sums is None else sums
             dq_parts = fa4_backward.backward(
                 q_rot.flatten(0, 1), k_rot[:, :end, kv], v[:, :end, kv], out[:, span, hq],
@@ -186,11 +191,11 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
             del q_rot
             rotate_back(dq_parts, plan.part_positions[:, span], plan.cos, plan.sin,
                         None if plan.q_scale is None else plan.q_scale[:, span], scale,
-                        dq[:, span, hq])
+                        dq[:, span, q_heads])
             del dq_parts  # before the next piece's kernel allocates its own
         if sums is not None:
             fa4_backward.store_kv(sums, dk[:, :, kv], dv[:, :, kv], scale)
             del sums
     for b in range(batch):
-        rotate_transpose_sum([dk[b]], [plan.positions[0]], plan.cos, plan.sin, dk[b])
-    return dq, dk, dv
+        rotate_transpose_sum([dk[b]], [plan.positions[0]], plan.cos, plan.sin, dk_out[b])
+    return dq, dk_out, dv

@@ -24,6 +24,8 @@ from models.rope_scaling import attention_factor
 class DCACoreAttention(CoreAttention):
     """Dual Chunk Attention over unrotated q/k (see models/attention/dca/attention.py)."""
 
+    takes_grouped_query = True  # its kernels read q where megatron's projection left it
+
     def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
         self.chunk_size = config.attention.dca_chunk_size

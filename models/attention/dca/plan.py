@@ -36,7 +36,7 @@ class DCAPlan:
                  mscale: float, bounds: list[int] | None, scaling: DCAScaling,
                  rope_scaling: RopeScaling | None = None,
                  paths: KernelPaths | None = None) -> None:
-        batch, seq, _, head_dim = q.shape
+        batch, seq, head_dim = q.shape[0], q.shape[1], q.shape[-1]
         self.length = chunk_size - local_size
         # chosen by the caller once, so forward, backward and CUDA graphs agree
         self.paths = paths or KernelPaths()
@@ -153,7 +153,21 @@ def check_sizes(chunk_size: int, local_size: int, rope_theta: float) -> None:
         raise ValueError(f"rope_theta must be positive, got {rope_theta}")
 
 
+def flat_heads(q: torch.Tensor) -> torch.Tensor:
+    """q itself if [b, s, hq, d]; for q [b, s, groups, q_per_group, d] (its heads in their
+    groups, models/fused_qkv.py) a [b, s, hq, d] stand-in of its shape, dtype and device that
+    holds no data (for the checks and the plan; the kernels read q itself)."""
+    if q.dim() != 5:
+        return q
+    return torch.empty((), dtype=q.dtype, device=q.device).expand(
+        *q.shape[:2], q.shape[2] * q.shape[3], q.shape[4])
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() == 5 and q.shape[2] != k.shape[2]:
+        raise ValueError(f"q in groups {tuple(q.shape)} needs a group per kv head, got k "
+                         f"{tuple(k.shape)}")
+    q = flat_heads(q)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [batch, seq, heads, head_dim]; got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
