@@ -14,6 +14,7 @@ from models.fused_rope import (
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
 )
+from tests.models.test_fused_rope import megatron_split
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -68,15 +69,6 @@ def test_packed_sequences_on_the_gpu_match_the_cpu_fallback() -> None:
     torch.testing.assert_close(x.grad.cpu(), cpu.grad, rtol=1e-5, atol=1e-5)
 
 
-def _megatron_split(mixed: torch.Tensor, freqs: torch.Tensor,
-                    split: list[int]) -> tuple[torch.Tensor, ...]:
-    """megatron's unfused path: split, the query heads reshaped out of their groups, RoPE."""
-    q, k, v = torch.split(mixed, split, dim=3)
-    q = q.reshape(q.shape[0], q.shape[1], -1, split[1])
-    return (rope_utils._apply_rotary_pos_emb_bshd(q, freqs),
-            rope_utils._apply_rotary_pos_emb_bshd(k, freqs), v)
-
-
 @pytest.mark.parametrize("seq", [4096, 32768])
 def test_fused_qkv_split_in_bf16_is_as_accurate_as_megatrons(seq: int) -> None:
     """gpt_1p3b's layout (4 groups of 4 query heads, head dim 128): q, k, v and the fused
@@ -88,11 +80,11 @@ def test_fused_qkv_split_in_bf16_is_as_accurate_as_megatrons(seq: int) -> None:
     grads = [torch.randn(seq, 1, groups * n, d, device="cuda", dtype=torch.bfloat16)
              for n in (q_per_group, 1, 1)]
     leaf64 = mixed.double().requires_grad_()
-    truth = _megatron_split(leaf64, freqs.double(), split)
+    truth = megatron_split(leaf64, freqs.double(), split)
     torch.autograd.backward(truth, [g.double() for g in grads])
     errors = []
     for fn in (lambda m: fused_apply_qkv_rotary_pos_emb(m, freqs, freqs, split),
-               lambda m: _megatron_split(m, freqs, split)):
+               lambda m: megatron_split(m, freqs, split)):
         leaf = mixed.clone().requires_grad_()
         out = fn(leaf)
         torch.autograd.backward(out, grads)

@@ -12,6 +12,7 @@ from models import spec
 from models.fused_qkv import GroupedQuerySelfAttention, gradient_slots, split_grouped
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
+from tests.models.test_fused_rope import assert_same_model
 
 
 def _megatron_split(fused: torch.Tensor, q_per_group: int) -> tuple[torch.Tensor, ...]:
@@ -90,18 +91,9 @@ def test_a_dca_model_with_grouped_queries_is_the_same_model(
                for layer in grouped.decoder.layers)
     monkeypatch.setattr(spec, "GroupedQuerySelfAttention", SelfAttention)
     plain = build_gpt(config, 256, 96)
-    plain.load_state_dict(grouped.state_dict())
-    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(96).expand_as(tokens)
-    logits = []
-    for net in (plain, grouped):
-        out = net(tokens, positions, None)
-        out.float().pow(2).mean().backward()
-        logits.append(out)
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
-    for (name, a), b in zip(plain.named_parameters(), grouped.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    logits = assert_same_model(plain, grouped, 96)
     grouped.eval()
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(grouped(tokens, positions, None), logits[0].detach(),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grouped(tokens, torch.arange(96).expand_as(tokens), None),
+                                   logits, rtol=1e-5, atol=1e-5)

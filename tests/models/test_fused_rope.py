@@ -84,7 +84,7 @@ def test_refuses_tables_it_does_not_rotate_by() -> None:
         fused_apply_rotary_pos_emb(x, _freqs(8, 8))  # rotary_percent < 1
 
 
-def _megatron_split(mixed: torch.Tensor, freqs: torch.Tensor,
+def megatron_split(mixed: torch.Tensor, freqs: torch.Tensor,
                     split: list[int]) -> tuple[torch.Tensor, ...]:
     """megatron's unfused path: split the fused QKV, reshape the query heads out of their
     groups, rotate q and k."""
@@ -107,7 +107,7 @@ def test_fused_qkv_split_matches_megatrons_split_and_rope(q_per_group: int) -> N
                          generator=torch.Generator().manual_seed(n)) for n in (q_per_group, 1, 1)]
     ours, ref = mixed.clone().requires_grad_(), mixed.clone().requires_grad_()
     out = fused_apply_qkv_rotary_pos_emb(ours, freqs, freqs, split)
-    expected = _megatron_split(ref, freqs, split)
+    expected = megatron_split(ref, freqs, split)
     tol = dict(rtol=1e-6, atol=1e-6)  # float32 tables on both sides, as above
     for a, e in zip(out, expected):
         assert a.shape == e.shape
@@ -157,21 +157,28 @@ def test_a_model_with_fused_rope_is_the_same_model(single_process, kind: str,
                         lambda *a, **k: qkv_calls.append(1)
                         or fused_apply_qkv_rotary_pos_emb(*a, **k))
     plain, fused = build_gpt(plain_cfg, 256, 64), build_gpt(fused_cfg, 256, 64)
-    fused.load_state_dict(plain.state_dict())
-    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(64).expand_as(tokens)
-    losses = []
-    for net in (plain, fused):
-        out = net(tokens, positions, None)
-        out.float().pow(2).mean().backward()
-        losses.append(out)
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    assert_same_model(plain, fused, 64)
     if kind == "standard":  # both layers through the fused QKV split
         assert (len(qkv_calls), len(calls)) == (2, 0)
     else:  # layer 2 is global, without RoPE; layer 1's q and k through our kernel
         assert (len(qkv_calls), len(calls)) == (0, 2)
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+
+
+def assert_same_model(plain: torch.nn.Module, other: torch.nn.Module, seq: int) -> torch.Tensor:
+    """`other` with `plain`'s state gives its logits and every gradient (2 sequences of `seq`
+    tokens); returns the logits."""
+    other.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).expand_as(tokens)
+    logits = []
+    for net in (plain, other):
+        out = net(tokens, positions, None)
+        out.float().pow(2).mean().backward()
+        logits.append(out)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(plain.named_parameters(), other.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    return logits[0].detach()
 
 
 def test_dca_keeps_its_own_rotation() -> None:
