@@ -22,7 +22,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 
 
-def _slots(fused: torch.Tensor, q_per_group: int) -> tuple[torch.Tensor, ...]:
+def qkv_slots(fused: torch.Tensor, q_per_group: int) -> tuple[torch.Tensor, ...]:
     """Views of the fused QKV [s, b, groups, (q_per_group + 2) * d]: q [s, b, groups,
     q_per_group, d], k and v [s, b, groups, d]."""
     head_dim = fused.shape[-1] // (q_per_group + 2)
@@ -44,7 +44,7 @@ class _GroupedSplit(torch.autograd.Function):
     def forward(ctx: Any, fused: torch.Tensor,
                 q_per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.layout = fused.shape, fused.dtype, q_per_group
-        return _slots(fused, q_per_group)
+        return qkv_slots(fused, q_per_group)
 
     @staticmethod
     def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor,
@@ -55,10 +55,10 @@ class _GroupedSplit(torch.autograd.Function):
                 and base.is_contiguous() and base.numel() == shape.numel()):
             fused = base.view(shape)
             if all(_same_view(g, slot) for g, slot in zip((dq, dk, dv),
-                                                          _slots(fused, q_per_group))):
+                                                          qkv_slots(fused, q_per_group))):
                 return fused, None
         fused = torch.empty(shape, dtype=dtype, device=dq.device)
-        for g, slot in zip((dq, dk, dv), _slots(fused, q_per_group)):
+        for g, slot in zip((dq, dk, dv), qkv_slots(fused, q_per_group)):
             slot.copy_(g)
         return fused, None
 

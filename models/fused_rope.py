@@ -34,6 +34,7 @@ from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer import attention as megatron_attention
 
 from models.attention.rope import rotate, rotate_multi, rotate_transpose_sum
+from models.fused_qkv import qkv_slots
 
 
 def _half_tables(freqs: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,10 +85,9 @@ class _QKVRotate(torch.autograd.Function):
     def forward(ctx: Any, mixed: torch.Tensor, q_tables: tuple[torch.Tensor, torch.Tensor],
                 k_tables: tuple[torch.Tensor, torch.Tensor],
                 q_per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s, _, groups, width = mixed.shape
-        head_dim = width // (q_per_group + 2)
-        positions = torch.arange(s, dtype=torch.int32, device=mixed.device)[None]  # [1, s]
-        q, k, v = _slots(mixed, q_per_group, head_dim)
+        positions = torch.arange(mixed.shape[0], dtype=torch.int32,
+                                 device=mixed.device)[None]  # [1, s]
+        q, k, v = qkv_slots(mixed, q_per_group)
         q_rot = rotate_multi(q.transpose(0, 1), positions, *q_tables)[0]  # [b, s, heads, d]
         k_rot = rotate_multi(k.transpose(0, 1), positions, *k_tables)[0]  # [b, s, groups, d]
         ctx.save_for_backward(positions, *q_tables, *k_tables)
@@ -101,7 +101,7 @@ class _QKVRotate(torch.autograd.Function):
         shape, dtype, q_per_group = ctx.layout
         dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
         d_mixed = torch.empty(shape, dtype=dtype, device=dq.device)
-        dq_slots, dk_slots, dv_slots = _slots(d_mixed, q_per_group, shape[-1] // (q_per_group + 2))
+        dq_slots, dk_slots, dv_slots = qkv_slots(d_mixed, q_per_group)
         for b in range(shape[1]):  # dq [s, heads, d] into [s, groups, q_per_group, d]
             rotate_transpose_sum([dq[:, b]], [positions[0]], q_cos, q_sin, dq_slots[:, b])
             rotate_transpose_sum([dk[:, b]], [positions[0]], k_cos, k_sin, dk_slots[:, b])
@@ -109,15 +109,6 @@ class _QKVRotate(torch.autograd.Function):
             # layout is a slow unvectorised kernel: docs/benchmarks.md)
             rotate_transpose_sum([dv[:, b]], None, q_cos, q_sin, dv_slots[:, b])
         return d_mixed, None, None, None
-
-
-def _slots(mixed: torch.Tensor, q_per_group: int,
-           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views of the fused QKV [s, b, groups, (q_per_group + 2) * d]: q [s, b, groups,
-    q_per_group, d], k and v [s, b, groups, d]."""
-    q_width = q_per_group * head_dim
-    q = mixed[..., :q_width].unflatten(-1, (q_per_group, head_dim))
-    return q, mixed[..., q_width:q_width + head_dim], mixed[..., q_width + head_dim:]
 
 
 def fused_apply_qkv_rotary_pos_emb(

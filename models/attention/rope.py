@@ -96,7 +96,7 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
             out[i] = apply_rope(x, cos, sin)
         return out
     pos = positions.to(torch.int32).contiguous()
-    per_group, group_stride, head_stride = _head_layout(x, 2)
+    per_group, group_stride, head_stride = head_layout(x, 2)
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
     block_s = max(1, 4096 // (block_h * block_d))
     grid = (triton.cdiv(s, block_s), b)
@@ -110,7 +110,7 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
     return out
 
 
-def _head_layout(x: torch.Tensor, token_dims: int) -> tuple[int, int, int]:
+def head_layout(x: torch.Tensor, token_dims: int) -> tuple[int, int, int]:
     """(heads per group, group stride, head stride) of x's head dims, those after its first
     `token_dims`: [.., h, d] is one group of h heads; [.., groups, heads_per_group, d] holds its
     heads in groups (megatron's fused QKV layout)."""
@@ -147,7 +147,7 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
                 acc += apply_rope(g.unsqueeze(0).to(acc.dtype), cos, -sin)[0]  # [s, h, d]
         out.copy_(acc.view(out.shape))
         return
-    per_group, group_stride, head_stride = _head_layout(out, 1)
+    per_group, group_stride, head_stride = head_layout(out, 1)
     g = list(grads) + [grads[0]] * (3 - len(grads))  # unused slots: never read (NUM_IN)
     p = [cos_half] if positions is None else list(positions)  # cos_half: never read
     p = p + [p[0]] * (3 - len(p))

@@ -3,6 +3,7 @@ each, GPU busy time (overlap counted once) and the idle gaps."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -66,3 +67,11 @@ def test_summary_times_the_steps_after_warm_up_and_keeps_the_warm_up_steps_own()
     assert summary["warmup_steps_s"] == [30.0, 1.5]
     assert summary["step_s"] == 1.1 and summary["timed_steps"] == 3
     assert summary["loss_first"] == 6 and summary["kernel"] == "fa4"
+
+
+def test_trace_paths_name_the_case() -> None:
+    case = {"model": "gpt_1p3b", "attention": "dca", "seq": 32768, "variant": "-"}
+    assert train.trace_path(None, case) is None
+    assert str(train.trace_path(Path("out"), case)) == "out/gpt_1p3b_dca_32768.json.gz"
+    assert train.trace_path(Path("out"), {**case, "variant": "fa4"}).name == (
+        "gpt_1p3b_dca_32768_fa4.json.gz")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.rope import rope_cos_sin, rotate_multi, rotate_transpose_sum
+from models.attention.rope import head_layout, rope_cos_sin, rotate_multi, rotate_transpose_sum
 from tests.reference import rope_rotate
 
 
@@ -43,3 +43,13 @@ def test_rotate_transpose_sum_is_the_gradient_of_the_rotations(accumulate: bool)
     plain = before.clone()
     rotate_transpose_sum(grads[:2], None, cos, sin, plain, accumulate=accumulate)
     assert torch.allclose(plain, grads[0] + grads[1] + (before if accumulate else 0), atol=1e-12)
+
+
+def test_head_layout_of_heads_in_groups() -> None:
+    """The (heads per group, group stride, head stride) the kernels address heads by: one group
+    for [.., h, d], megatron's groups for its fused QKV's query view [.., groups, g, d]."""
+    fused = torch.zeros(2, 5, 4, (3 + 2) * 8)  # [b, s, groups, (g + 2) d], g = 3, d = 8
+    q = fused[..., :24].unflatten(-1, (3, 8))  # [b, s, 4, 3, 8]
+    assert head_layout(q, 2) == (3, 40, 8)
+    assert head_layout(q[0], 1) == (3, 40, 8)
+    assert head_layout(fused[..., 24:32], 2) == (4, 0, 40)  # k: one group of 4 heads

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from models.attention.rope import apply_rope, half_tables, use_triton
+from models.attention.rope import apply_rope, half_tables, head_layout, use_triton
 
 try:
     import triton
@@ -83,8 +83,7 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
         _rotate_back_torch(dq_parts, positions, cos_half, sin_half, factors, scale, out)
         return
     half = dim // 2
-    per_group, group_stride, head_stride = ((out.shape[3], out.stride(2), out.stride(3))
-                                            if out.dim() == 5 else (heads, 0, out.stride(2)))
+    per_group, group_stride, head_stride = head_layout(out, 2)
     _rotate_back_kernel[(rows // 64, heads, batch)](
         dq_parts.data, positions, cos_half, sin_half,
         factors if factors is not None else cos_half, out,
