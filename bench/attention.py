@@ -113,12 +113,14 @@ def dca(chunk_size: int, local_size: int, name: str = "dca",
         cuda_graphs: bool = False, kernel: str = "cudnn", path: str = "default") -> Variant:
     """`path`, under fa4 (attention.dca_backward, dca/grouped.py): "default" (auto: DCA's
     kernels where they apply, the backward in pieces), "one_call" (one_piece: the backward
-    kernel in one piece) or "parts" (the part calls both ways)."""
+    kernel in one piece), "keep" (auto, the forward's rotations kept for the backward:
+    attention.dca_keep_rotated) or "parts" (the part calls both ways)."""
     backward = {"one_call": "one_piece", "parts": "parts"}.get(path, "auto")
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return dual_chunk_attention(q, k, v, chunk_size=chunk_size, local_size=local_size,
-                                    cuda_graphs=cuda_graphs, backward=backward)
+                                    cuda_graphs=cuda_graphs, backward=backward,
+                                    keep_rotated=path == "keep")
     return Variant(f"{name}(C={chunk_size},w={local_size})", fn, causal_flops,
                    peak_complete=not cuda_graphs, kernel=kernel)
 
@@ -151,12 +153,12 @@ REGISTRY: dict[str, Callable[[argparse.Namespace], Variant | None]] = {
     "dca_small_fa4": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8, "dca_fa4",
                                    kernel="fa4"),
     # DCA on FA4 forced onto one path (dca(path=...)): its part calls both ways, or its kernels
-    # with the backward in one piece (grouped.py)
+    # with the backward in one piece, or with the forward's rotations kept (grouped.py)
     **{f"dca{size}_fa4_{path}": (lambda a, size=size, path=path: dca(
         a.dca_chunk if size == "" else a.dca_small_chunk,
         a.dca_local if size == "" else a.dca_small_chunk // 8, f"dca_fa4_{path}",
         kernel="fa4", path=path))
-       for size in ("", "_small") for path in ("parts", "one_call")},
+       for size in ("", "_small") for path in ("parts", "one_call", "keep")},
     "dca_small_graphs_fa4_parts": lambda a: dca(a.dca_small_chunk, a.dca_small_chunk // 8,
                                                 "dca_graphs_fa4_parts", True, "fa4", "parts"),
     "chunked_fa4": lambda a: chunked(a.chunked_size, "fa4"),

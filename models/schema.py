@@ -69,6 +69,9 @@ class AttentionConfig:
     # one_piece (the backward in one piece: ~1% faster at 32K, ~2.3x the attention's memory) |
     # parts (the part calls)
     dca_backward: str = "auto"
+    # DCA's kernels: keep the forward's rotated queries and keys for the backward instead of
+    # rotating them again (activation memory for speed: 3 copies of q and one of k per layer)
+    dca_keep_rotated: bool = False
     chunk_size: int = 8192
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
     head_wise_attn_gate: bool = False

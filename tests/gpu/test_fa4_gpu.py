@@ -24,6 +24,7 @@ from models.attention.chunked import chunked_attention
 from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca import graphs as dca_graphs
 from models.attention.dca.attention import dual_chunk_attention
+from models.attention.dca.plan import DCAPlan
 from models.attention.dca.scaling import DCAScaling
 from models.fused_qkv import split_grouped
 from tests.gpu.test_dca_gpu import dca_reference_by_part, rel_err
@@ -155,8 +156,8 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     paths = grouped.paths
     setting = "parts" if request.param == "parts" else (
         "one_piece" if request.param == "one call" else "auto")
-    monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward: paths(
-        q, length, packed, setting))  # dca_backward
+    monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward, keep: paths(
+        q, length, packed, setting, keep))  # dca_backward
     if request.param in CUTS:
         monkeypatch.setattr(grouped, "split", CUTS[request.param])
     # graphs captured under another path's cut would replay it (the cache keys on the setting)
@@ -273,6 +274,21 @@ def test_dca_kernels_on_query_heads_in_their_groups(hk: int, dca_path: str) -> N
         (q_grad.flatten(2, 3), k_grad, v_grad), ref_grads)]
     print("relative errors out, dq, dk, dv:", errors)
     _check(errors)
+
+
+@pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)
+@pytest.mark.parametrize("hk", [8, 2])
+def test_dca_kernels_on_the_rotations_the_forward_kept(hk: int, dca_path: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """dca_keep_rotated: the backward kernel reads the forward's rotated q and k (head and row
+    slices of them under the cuts) and rotates nothing again."""
+    rotations = []
+    for name in ("rotate_parts", "rotate_k"):
+        method = getattr(DCAPlan, name)
+        monkeypatch.setattr(DCAPlan, name, lambda self, *args, _m=method, _n=name: (
+            rotations.append(_n) or _m(self, *args)))
+    _check(_dca_errors(*_inputs(4096, 8, hk), 1024, 128, keep_rotated=True))
+    assert rotations == ["rotate_parts", "rotate_k"]  # the forward's
 
 
 @pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS, indirect=True)

@@ -18,7 +18,7 @@ from models.attention.dca.plan import DCAPlan, KernelPaths
 from models.attention.dca.scaling import DCAScaling
 from models.attention.rope import apply_rope, rope_cos_sin
 from models.fused_qkv import split_grouped
-from tests.models.test_dca import assert_matches_reference
+from tests.models.test_dca import assert_matches_reference, dca_reference, grads, make_qkv, rel_err
 from tests.models.test_dca_scaling import check, log_factor, part_factors
 
 BLOCK = grouped.BLOCK
@@ -87,9 +87,12 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
     """(DCA's kernels, the backward in one piece) per `dca_backward`, where the kernels apply
     (FA4, aligned); the part calls where they do not."""
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
-    assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == expected
+    q = torch.zeros(1, 4096, 4, 64)
+    assert grouped.paths(q, 896, False, backward) == (*expected, False)
+    assert grouped.paths(q, 896, False, backward, keep_rotated=True) == (
+        *expected, expected[0])  # kept only for DCA's kernels
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)
-    assert grouped.paths(torch.zeros(1, 4096, 4, 64), 896, False, backward) == KernelPaths()
+    assert grouped.paths(q, 896, False, backward, keep_rotated=True) == KernelPaths()
 
 
 def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
@@ -167,10 +170,10 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
     taken: list[str] = []
     monkeypatch.setattr(grouped, "forward", lambda *args: taken.append("forward") or (
         torch.zeros_like(args[0]), torch.zeros(args[0].shape[0], args[0].shape[2],
-                                               args[0].shape[1], dtype=torch.float64)))
+                                               args[0].shape[1], dtype=torch.float64), None))
     monkeypatch.setattr(grouped, "backward", lambda plan, scale, q, k, v, out, lse, dout, cut,
-                        grads: taken.append(f"backward({cut.kv_per_group}, {cut.rows})") or (
-                            torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+                        grads, rotated: taken.append(f"backward({cut.kv_per_group}, {cut.rows})")
+                        or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, backward="one_piece")
@@ -472,3 +475,49 @@ def test_kernels_on_query_heads_in_their_groups(
     dq, dk, dv = torch.autograd.grad(expected, flat, dout)
     q_grad, k_grad, v_grad = (x.transpose(0, 1) for x in split_grouped(grad, g))
     torch.testing.assert_close((q_grad.flatten(2, 3), k_grad, v_grad), (dq, dk, dv))
+
+
+@pytest.mark.parametrize(("batch", "hq", "hk", "group_size", "budget"), [
+    (1, 2, 2, 1, 13), (1, 6, 2, 1, 52), (2, 4, 2, 2, 23),
+])
+def test_kernel_backward_reads_the_rotations_the_forward_kept(
+        batch: int, hq: int, hk: int, group_size: int, budget: int,
+        monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
+    """keep_rotated: the backward's kernel calls (every group and piece) read the forward's
+    rotated q and k, never rotating again, and the gradients are the reference's (the kept
+    successive copy's unwritten rows included: the stand-ins read them nowhere)."""
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(group_size, budget))
+    rotations: list[str] = []
+    for name in ("rotate_parts", "rotate_k"):
+        method = getattr(DCAPlan, name)
+        monkeypatch.setattr(DCAPlan, name, lambda self, *args, _m=method, _n=name: (
+            rotations.append(_n) or _m(self, *args)))
+    q, k, v = make_qkv(batch, 52, hq, hk, 8)
+    out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, keep_rotated=True)
+    ref = dca_reference(q, k, v, 10, 3)
+    assert rel_err(out, ref) < 1e-10
+    for ours, expected in zip(grads(out, [q, k, v]), grads(ref, [q, k, v])):
+        assert rel_err(ours, expected) < 1e-10
+    assert rotations == ["rotate_parts", "rotate_k"]  # the forward's, once
+    assert len(kernel_backward_in_pieces) == -(-hk // group_size) * -(-52 // budget)
+    rotations.clear()
+    assert_matches_reference(batch, 52, hq, hk, 8, chunk_size=10, local_size=3)
+    assert rotations.count("rotate_parts") == 1 + len(kernel_backward_in_pieces) // 2
+
+
+def test_kept_rotations_serve_query_heads_in_their_groups(
+        monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
+    """keep_rotated with q in its groups (models/fused_qkv.py): the kept copies are in the
+    flat head order the backward's groups slice; the gradient is the one without keeping."""
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 13))
+    seq, d, hk, g = 52, 8, 2, 3
+    fused = torch.randn(seq, 2, hk, (g + 2) * d, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, seq, hk * g, d, dtype=torch.float64)
+    grads = []
+    for keep in (True, False):
+        q, k, v = (x.transpose(0, 1) for x in split_grouped(fused, g))
+        out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, keep_rotated=keep)
+        grads.append(torch.autograd.grad(out, fused, dout)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)

@@ -69,12 +69,14 @@ def test_chunked_interleaves_global_layers_without_rope(single_process) -> None:
 
 
 def test_dca_layers_skip_megatron_rope(single_process) -> None:
-    cfg = compose_config(["+attention=dca", "attention.dca_backward=one_piece"])
+    cfg = compose_config(["+attention=dca", "attention.dca_backward=one_piece",
+                          "attention.dca_keep_rotated=true"])
     config = transformer_config(cfg.model, cfg.attention)
     assert config.no_rope_freq == [1] * cfg.model.num_layers
     model = build_gpt(config, 384, SEQ)
     assert all(isinstance(layer.self_attention.core_attention, DCACoreAttention)
                and layer.self_attention.core_attention.backward == "one_piece"
+               and layer.self_attention.core_attention.keep_rotated
                for layer in model.decoder.layers)
 
 

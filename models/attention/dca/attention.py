@@ -53,32 +53,36 @@ class _DualChunkAttention(torch.autograd.Function):
         # Inside a recomputed layer (models/recompute.py) the first forward keeps (out, lse)
         # and the recompute reuses them: only the backward's inputs are rebuilt.
         kept = kept_attention(flat_heads(q).shape)  # out's shape
+        rotated = None  # the forward kernel's rotated q and k, where the plan keeps them
         if kept is None:
-            out, lse = graphs.forward(q, k, v) if graphs else _forward(q, k, v, plan, scale)
+            out, lse, rotated = (
+                (*graphs.forward(q, k, v), None) if graphs else _forward(q, k, v, plan, scale))
             keep_attention(out, lse)
-        else:
+        else:  # the recompute: the backward rotates q and k itself
             out, lse = kept
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(rotated or ()))
         ctx.plan, ctx.scale, ctx.graphs = plan, scale, graphs
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *rotated = ctx.saved_tensors
         dout = dout.contiguous()  # out's layout, as the kernel backwards require
         if ctx.graphs is not None:
             return *ctx.graphs.backward(q, k, v, out, lse, dout), None, None, None
         # q in its groups (views of megatron's projection: models/fused_qkv.py): dq, dk and dv
         # into one tensor of the projection's layout, which its split returns as it is
         grads = gradient_slots(q, k, v) if q.dim() == 5 else None
-        return (*dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout, grads), None, None,
-                None)
+        return (*dca_backward(ctx.plan, ctx.scale, q, k, v, out, lse, dout, grads,
+                              grouped.Rotated(*rotated) if rotated else None), None, None, None)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts; v contiguous.
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan, scale: float,
+             ) -> tuple[torch.Tensor, torch.Tensor, grouped.Rotated | None]:
+    """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts, and the rotated
+    q and k where the plan keeps them for the backward (grouped.forward; else None); v
+    contiguous.
 
     One part at a time, so only its rotated q is alive; intra and successive partials wait for
     their chunk's inter call, and each chunk merges right after it, so partials die early.
@@ -116,7 +120,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
             chunk_parts = doc.pop(chunk)
             merge_partials([o for o, _ in chunk_parts], [lse_p for _, lse_p in chunk_parts],
                            out_doc[span], lse_doc[:, span])
-    return out, lse
+    return out, lse, None
 
 
 def _forward_call(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -139,7 +143,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                          cu_seqlens: torch.Tensor | Sequence[int] | None = None,
                          scaling: DCAScaling | None = None,
                          rope_scaling: RopeScaling | None = None,
-                         cuda_graphs: bool = False, backward: str = "auto") -> torch.Tensor:
+                         cuda_graphs: bool = False, backward: str = "auto",
+                         keep_rotated: bool = False) -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
     q: [batch, seq, q_heads, head_dim], or [batch, seq, kv_heads, q_heads / kv_heads, head_dim]
@@ -155,6 +160,9 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `backward`: under FA4, auto | one_piece | parts (grouped.paths: DCA's own kernels where they
     apply, the backward in groups of heads or pieces of query rows, bounding its memory
     (grouped.split), or in one piece, ~1% faster at 32K; parts: the part calls both ways).
+    `keep_rotated`: where DCA's kernels run (not under CUDA graphs), the forward's rotated
+    queries and keys stay activations until the backward, which then need not rotate them
+    again (3 copies of q and one of k per call, held from forward to backward).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)
@@ -162,12 +170,13 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     shape = flat_heads(q)  # q's [b, s, hq, d] shape, dtype and device
-    paths = grouped.paths(shape, chunk_size - local_size, bounds is not None, backward)
-    plan = DCAPlan(shape, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                   scaling or DCAScaling(), rope_scaling, paths)
     use_graphs = (cuda_graphs and bounds is None and q.is_cuda
                   and q.dtype in (torch.bfloat16, torch.float16)
                   and not torch.cuda.is_current_stream_capturing())
+    paths = grouped.paths(shape, chunk_size - local_size, bounds is not None, backward,
+                          keep_rotated and not use_graphs)
+    plan = DCAPlan(shape, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
+                   scaling or DCAScaling(), rope_scaling, paths)
     if q.dim() == 5 and (plan.causal or not plan.paths.kernels or use_graphs):
         q = q.flatten(2, 3)  # a copy: only DCA's kernels read the query heads in their groups
     if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
@@ -179,7 +188,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
                float(mscale), scale, scaling, rope_scaling, kernels.active(),
                plan.paths)
-        graphs = graphs_for(key, plan, scale, q, k, v, _forward, dca_backward)
+        graphs = graphs_for(key, plan, scale, q, k, v,
+                            lambda *args: _forward(*args)[:2], dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
 
 

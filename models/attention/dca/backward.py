@@ -75,16 +75,18 @@ def rows_per_call(tokens: int) -> int:
 def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 rotated: grouped.Rotated | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out and dout contiguous [b, s, h, d], v too
     unless the plan chose DCA's own kernels (grouped.paths): then its backward kernel in one
     piece, or in the pieces of grouped.split (grouped.backward), dq, dk and dv written into
-    `grads` where given (only there: q in its groups, models/fused_qkv.py)."""
+    `grads` where given (only there: q in its groups, models/fused_qkv.py), q and k read
+    rotated from `rotated` where the forward kept them."""
     if plan.paths.kernels:
         batch, seq, heads, heads_kv = *flat_heads(q).shape[:3], k.shape[2]
         cut = (grouped.Split(heads_kv, seq) if plan.paths.one_piece
                else grouped.split(batch, seq, heads, heads_kv))
-        return grouped.backward(plan, scale, q, k, v, out, lse, dout, cut, grads)
+        return grouped.backward(plan, scale, q, k, v, out, lse, dout, cut, grads, rotated)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     budget = rows_per_call(q.shape[0] * q.shape[1])
     for b, start, n in plan.docs:

@@ -69,14 +69,25 @@ def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
             and q.shape[1] % BLOCK == 0 and q.shape[-1] in HEAD_DIMS)
 
 
-def paths(q: torch.Tensor, length: int, packed: bool, backward: str) -> KernelPaths:
+def paths(q: torch.Tensor, length: int, packed: bool, backward: str,
+          keep_rotated: bool = False) -> KernelPaths:
     """Where DCA runs on q under the `dca_backward` setting: its kernels wherever they apply
     (auto: the backward in pieces, `split`; one_piece: in one), else, or under parts, the part
-    calls."""
+    calls. `keep_rotated` (the `dca_keep_rotated` setting) holds with the kernels only: the
+    part calls rotate per call."""
     check_backward(backward)
     if backward == "parts" or not kernel_applies(q, length, packed):
         return KernelPaths()
-    return KernelPaths(kernels=True, one_piece=backward == "one_piece")
+    return KernelPaths(kernels=True, one_piece=backward == "one_piece",
+                       keep_rotated=keep_rotated)
+
+
+class Rotated(NamedTuple):
+    """What the forward kernel read, kept for the backward under `KernelPaths.keep_rotated`:
+    every part's rotated queries [p, b, s, hq, d] (DCAPlan.rotate_parts) and the rotated keys
+    [b, s, hk, d]."""
+    q: torch.Tensor
+    k: torch.Tensor
 
 
 def check_backward(backward: str) -> None:
@@ -134,27 +145,31 @@ def split(batch: int, seq: int, heads: int, kv_heads: int) -> Split:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DCAPlan,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float) -> tuple[torch.Tensor, torch.Tensor, Rotated | None]:
     """The merged (out [b, s, hq, d] contiguous, lse [b, hq, s]) of all parts, from DCA's
-    forward kernel; q, k, v of any strides with a unit last one (as megatron's views of its
-    fused QKV projection), q also [b, s, hk, hq / hk, d] (its heads in groups)."""
+    forward kernel, and what it read rotated where the plan keeps it for the backward (else
+    None); q, k, v of any strides with a unit last one (as megatron's views of its fused QKV
+    projection), q also [b, s, hk, hq / hk, d] (its heads in groups)."""
     batch, seq, heads, _ = flat_heads(q).shape
     q_rot, k_rot = plan.rotate(q, k)  # [p, b, s, hq, d], [b, s, hk, d]
     out = torch.empty(q_rot.shape[1:], dtype=q.dtype, device=q.device)  # [b, s, hq, d]
     lse = torch.empty(batch, heads, seq, dtype=accumulation_dtype(q), device=q.device)
     fa4_forward.forward(q_rot.flatten(0, 1), k_rot, v, scale, plan.length, plan.successive_rows,
                         out, lse)
-    return out, lse
+    return out, lse, Rotated(q_rot, k_rot) if plan.paths.keep_rotated else None
 
 
 def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, cut: Split,
              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             rotated: Rotated | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention through DCA's backward kernel, in the pieces `cut`
     says; out and dout contiguous [b, s, h, d], q, k, v of any strides with a unit last one, q
     also [b, s, hk, hq / hk, d] (its heads in groups). `grads`: where to write dq, dk and dv
     (views shaped as q, k and v: models/fused_qkv.py's slots), else new contiguous tensors.
+    `rotated`: the forward's rotated q and k (`forward`), read in place of rotating q and k
+    again (the cut stays the one for rotating them: its memory is then the accumulators').
 
     A group of key heads (with its query heads) is a whole backward of its own: its dq, dk and
     dv leave it complete, into views of the heads' slices. Within a group the queries go in even
@@ -170,7 +185,7 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
     group = heads // heads_kv
     count = -(-seq // max(cut.rows, BLOCK))
     size = -(-seq // count // BLOCK) * BLOCK
-    k_rot = plan.rotate_k(k)  # [b, s, hk, d]
+    k_rot = plan.rotate_k(k) if rotated is None else rotated.k  # [b, s, hk, d]
     dk = torch.empty_like(k_rot)  # in k_rot's frame until the last rotation
     dq, dk_out, dv = grads or (torch.empty_like(q, memory_format=torch.contiguous_format), dk,
                                torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -182,7 +197,8 @@ def backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, v: t
                 else None)
         for end in range(seq, 0, -size):
             span = slice(max(end - size, 0), end)
-            q_rot = plan.rotate_parts(q[:, :, q_heads], span)  # [p, b, n, hq', d]
+            q_rot = (plan.rotate_parts(q[:, :, q_heads], span) if rotated is None
+                     else rotated.q[:, :, span, hq])  # [p, b, n, hq', d]
             key_grads = (dk[:, :end, kv], dv[:, :end, kv]) if sums is None else sums
             dq_parts = fa4_backward.backward(
                 q_rot.flatten(0, 1), k_rot[:, :end, kv], v[:, :end, kv], out[:, span, hq],

@@ -36,6 +36,7 @@ class DCACoreAttention(CoreAttention):
         self.scaling = dca_scaling(config.attention)
         self.cuda_graphs = config.dca_cuda_graphs
         self.backward = config.attention.dca_backward
+        self.keep_rotated = config.attention.dca_keep_rotated
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -44,6 +45,7 @@ class DCACoreAttention(CoreAttention):
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, scaling=self.scaling, rope_scaling=self.rope_scaling,
             cuda_graphs=self.cuda_graphs, backward=self.backward,
+            keep_rotated=self.keep_rotated,
         )
 
     def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,12 @@ KERNEL_BLOCK = 128
 
 class KernelPaths(NamedTuple):
     """How one DCA call runs, chosen by grouped.paths: through DCA's own FA4 kernels
-    (fa4_forward.py, fa4_backward.py) or the part calls, and the backward kernel over all
-    heads and query rows at once or in the pieces of grouped.split."""
+    (fa4_forward.py, fa4_backward.py) or the part calls, the backward kernel over all heads
+    and query rows at once or in the pieces of grouped.split, and whether the backward takes
+    the forward's rotated queries and keys (kept as activations) or rotates them again."""
     kernels: bool = False
     one_piece: bool = False
+    keep_rotated: bool = False
 
 
 class DCAPlan:
