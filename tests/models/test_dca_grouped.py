@@ -521,3 +521,30 @@ def test_kept_rotations_serve_query_heads_in_their_groups(
         out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, keep_rotated=keep)
         grads.append(torch.autograd.grad(out, fused, dout)[0])
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_kept_rotations_are_not_held_across_a_recompute(
+        monkeypatch: pytest.MonkeyPatch,
+        kernel_backward_in_pieces: list[tuple[int, int, int]]) -> None:
+    """keep_rotated inside a recomputed layer (models/recompute.py): the checkpointed forward
+    keeps only (out, lse), the recompute reuses them without the forward kernel, and the
+    backward rotates q and k itself; the gradients are the reference's."""
+    from models import recompute
+    monkeypatch.setattr(recompute, "is_checkpointing", lambda: True)
+    monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 52))
+    rotations: list[str] = []
+    method = DCAPlan.rotate_parts
+    monkeypatch.setattr(DCAPlan, "rotate_parts", lambda self, *args: (
+        rotations.append("rotate_parts") or method(self, *args)))
+    keeper = recompute.AttentionKeeper()
+    q, k, v = make_qkv(1, 52, 4, 2, 8)
+    with torch.no_grad(), keeper.scope(True):  # the checkpointed forward: record
+        dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, keep_rotated=True)
+    assert len(keeper) == 1 and rotations == ["rotate_parts"]
+    with keeper.scope(True):  # the recompute: replay
+        out = dual_chunk_attention(q, k, v, chunk_size=10, local_size=3, keep_rotated=True)
+    assert len(keeper) == 0 and rotations == ["rotate_parts"]  # no forward kernel
+    ref = dca_reference(q, k, v, 10, 3)
+    for ours, expected in zip(grads(out, [q, k, v]), grads(ref, [q, k, v])):
+        assert rel_err(ours, expected) < 1e-10
+    assert rotations == ["rotate_parts"] * 3  # the backward's, one per group of heads
