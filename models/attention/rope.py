@@ -97,17 +97,25 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
         return out
     pos = positions.to(torch.int32).contiguous()
     per_group, group_stride, head_stride = head_layout(x, 2)
-    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
-    block_s = max(1, 4096 // (block_h * block_d))
+    block_h, block_d, block_s = _blocks(h, d)
     grid = (triton.cdiv(s, block_s), b)
     _rotate_multi_kernel[grid](
         x, out, pos, cos_half, sin_half, s, h, per_group,
         x.stride(0), x.stride(1), group_stride, head_stride, out.stride(0), out.stride(1),
         out.stride(2), out.stride(3), pos.stride(0), cos_half.stride(0),
         NUM_OUT=n, HALF=d // 2, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=8,
+        num_warps=4,
     )
     return out
+
+
+def _blocks(heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(heads, half dims, tokens) of one program of the rotation kernels: every head, and
+    tokens for ~2048 elements of each half (16 a thread at 4 warps; at 32K, 16 heads of 128,
+    the fastest of 1-8 tokens and 4 or 8 warps: docs/benchmarks.md, "The passes' loads and
+    stores streamed")."""
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim // 2)
+    return block_h, block_d, max(1, 2048 // (block_h * block_d))
 
 
 def head_layout(x: torch.Tensor, token_dims: int) -> tuple[int, int, int]:
@@ -151,15 +159,14 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
     g = list(grads) + [grads[0]] * (3 - len(grads))  # unused slots: never read (NUM_IN)
     p = [cos_half] if positions is None else list(positions)  # cos_half: never read
     p = p + [p[0]] * (3 - len(p))
-    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
-    block_s = max(1, 4096 // (block_h * block_d))
+    block_h, block_d, block_s = _blocks(h, d)
     _rotate_transpose_sum_kernel[(triton.cdiv(s, block_s),)](
         g[0], g[1], g[2], p[0], p[1], p[2], cos_half, sin_half, out, s, h, per_group,
         g[0].stride(0), g[0].stride(1), g[1].stride(0), g[1].stride(1),
         g[2].stride(0), g[2].stride(1), out.stride(0), group_stride, head_stride,
         cos_half.stride(0),
         NUM_IN=len(grads), ROTATE=positions is not None, ACCUMULATE=accumulate, HALF=d // 2,
-        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
     )
 
 
@@ -200,6 +207,8 @@ if triton is not None:
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         # One program: BLOCK_S tokens x all heads; x is read once for every rotation. x's
         # heads lie in groups of PER_GROUP (group stride sxg, head stride sxh within one).
+        # Every byte is read or written once: loads evict first and stores stream (.cs), so
+        # neither keeps L2 lines the next accesses never use.
         b = tl.program_id(1).to(tl.int64)
         tok = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS]
         head = tl.arange(0, BLOCK_H)
@@ -208,8 +217,10 @@ if triton is not None:
         mask = tok_ok[:, None, None] & (head < H)[None, :, None] & (dim < HALF)[None, None, :]
         x_head = (head // PER_GROUP) * sxg + (head % PER_GROUP) * sxh
         x_off = b * sxb + tok[:, None, None] * sxs + x_head[None, :, None] + dim[None, None, :]
-        x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [BS, BH, BD]
-        x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)  # [BS, BH, BD]
+        x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
         o_off = b * sob + tok[:, None, None] * sos + head[None, :, None] * soh + dim[None, None, :]
         tab_mask = tok_ok[:, None] & (dim < HALF)[None, :]
         for i in tl.static_range(NUM_OUT):
@@ -222,9 +233,10 @@ if triton is not None:
             y1 = x1 * c - x2 * sn
             y2 = x2 * c + x1 * sn
             o_mask = mask & needed[:, None, None]
-            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(out_ptr + i * son + o_off, y1.to(out_ptr.dtype.element_ty), mask=o_mask,
+                     cache_modifier=".cs")
             tl.store(out_ptr + i * son + o_off + HALF, y2.to(out_ptr.dtype.element_ty),
-                     mask=o_mask)
+                     mask=o_mask, cache_modifier=".cs")
 
     @triton.jit
     def _accumulate_transposed(acc1, acc2, g_ptr, sgs, sgh, pos_ptr, cos_ptr, sin_ptr, stab,
@@ -232,8 +244,10 @@ if triton is not None:
                                HALF: tl.constexpr):
         # R^T g: (g1 c + g2 s, g2 c - g1 s), the rotation by the negative angle.
         g_off = tok[:, None, None] * sgs + head[None, :, None] * sgh + dim[None, None, :]
-        g1 = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
-        g2 = tl.load(g_ptr + g_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        g1 = tl.load(g_ptr + g_off, mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        g2 = tl.load(g_ptr + g_off + HALF, mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
         if ROTATE:
             pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
             t_off = pos[:, None] * stab + dim[None, :]
@@ -280,5 +294,7 @@ if triton is not None:
         # out's heads in groups of PER_GROUP, as _rotate_multi_kernel's x
         o_head = (head // PER_GROUP) * sog + (head % PER_GROUP) * soh
         o_off = tok[:, None, None] * sos + o_head[None, :, None] + dim[None, None, :]
-        tl.store(out_ptr + o_off, acc1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_ptr + o_off + HALF, acc2.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + o_off, acc1.to(out_ptr.dtype.element_ty), mask=mask,
+                 cache_modifier=".cs")
+        tl.store(out_ptr + o_off + HALF, acc2.to(out_ptr.dtype.element_ty), mask=mask,
+                 cache_modifier=".cs")

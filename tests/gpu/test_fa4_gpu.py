@@ -360,12 +360,13 @@ def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
 
 @pytest.mark.parametrize("head_dim", dq_parts.FA4_SM90_HEAD_DIMS)
 @pytest.mark.parametrize("factors", [False, True])
-def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool) -> None:
+@pytest.mark.parametrize("heads", [4, 3])  # 3: a program's fourth head masked
+def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool, heads: int) -> None:
     """dq_parts.rotate_back's Triton kernel against its torch path (float64 tables): three
     parts in FA4's layout, batch 2, into a view of dq's rows; the successive part holds no
     gradient (position -1, its values NaN) in two 64-row groups and one odd row."""
     torch.manual_seed(0)
-    parts, batch, rows, heads, seq = 3, 2, 256, 4, 512
+    parts, batch, rows, seq = 3, 2, 256, 512
     data = torch.randn(parts * batch, heads, rows * head_dim, device="cuda")
     positions = torch.randint(0, 1000, (parts, seq), dtype=torch.int32, device="cuda")
     unused = torch.tensor([*range(64, 192), 255])  # rows of the span below
