@@ -84,15 +84,14 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
         return
     half = dim // 2
     per_group, group_stride, head_stride = head_layout(out, 2)
-    heads_per_program = min(4, triton.next_power_of_2(heads))
-    _rotate_back_kernel[(rows // 64, triton.cdiv(heads, heads_per_program), batch)](
+    _rotate_back_kernel[(rows // 64, heads, batch)](
         dq_parts.data, positions, cos_half, sin_half,
         factors if factors is not None else cos_half, out,
-        batch, heads, per_group, dq_parts.data.stride(0), dq_parts.data.stride(1),
-        positions.stride(0), cos_half.stride(0), factors.stride(0) if factors is not None else 0,
-        out.stride(0), out.stride(1), group_stride, head_stride, scale,
+        batch, per_group, dq_parts.data.stride(0), dq_parts.data.stride(1), positions.stride(0),
+        cos_half.stride(0), factors.stride(0) if factors is not None else 0, out.stride(0),
+        out.stride(1), group_stride, head_stride, scale,
         PARTS=parts, DIM=dim, HALF=half, COL8=triton.next_power_of_2(half // 8),
-        FACTORS=factors is not None, HEADS=heads_per_program, num_warps=8,
+        FACTORS=factors is not None, num_warps=4,
     )
 
 
@@ -122,57 +121,47 @@ if triton is not None:
     def _fa4_sm90_half(ptr, read, COL8: tl.constexpr, HALF: tl.constexpr):
         # One half of a 64-row group in FA4's order (fa4_sm90_rows), as [64, 8 * COL8] rows
         # and columns, or zeros where `read` is false; columns from HALF on are padding (COL8 =
-        # HALF / 8 rounded up to a power of two, the values past the half masked). Read once:
-        # its L2 lines go first.
+        # HALF / 8 rounded up to a power of two, the values past the half masked).
         j = tl.arange(0, COL8 * 512)
-        x = tl.load(ptr + j, mask=(j < HALF * 64) & read, other=0.0,
-                    eviction_policy="evict_first")  # contiguous, coalesced
+        x = tl.load(ptr + j, mask=(j < HALF * 64) & read, other=0.0)  # contiguous, coalesced
         x = tl.reshape(x, (COL8, 4, 8, 4, 2, 2))  # (col/8, warp, lane/4, lane%4, +8, col%2)
         x = tl.permute(x, (1, 4, 2, 0, 3, 5))
         return tl.reshape(x, (64, COL8 * 8))
 
     @triton.jit
     def _rotate_back_kernel(data_ptr, pos_ptr, cos_ptr, sin_ptr, factor_ptr, out_ptr,
-                            B, H, PER_GROUP, s_data_bp, s_data_h, s_pos, s_tab, s_factor,
+                            B, PER_GROUP, s_data_bp, s_data_h, s_pos, s_tab, s_factor,
                             s_out_b, s_out_s, s_out_g, s_out_h, scale, PARTS: tl.constexpr,
                             DIM: tl.constexpr, HALF: tl.constexpr, COL8: tl.constexpr,
-                            FACTORS: tl.constexpr, HEADS: tl.constexpr):
-        # One program: 64 rows of HEADS heads of one sequence (heads past H masked), every
-        # part. The parts run as a loop, not unrolled: unrolled, all parts' loads are live at
-        # once (docs/benchmarks.md, "The passes' loads and stores streamed").
+                            FACTORS: tl.constexpr):
+        # One program: 64 rows of one head of one sequence, every part.
         group = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
         row = group * 64 + tl.arange(0, 64)  # in the sequence piece
         c = tl.arange(0, COL8 * 8)  # column in the first half
         ok = (c < HALF)[None, :]
-        for i in tl.static_range(HEADS):
-            head = tl.program_id(1).to(tl.int64) * HEADS + i
-            head_ok = head < H
-            acc1 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
-            acc2 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
-            for p in tl.range(PARTS, num_stages=1):
-                pos = tl.load(pos_ptr + p * s_pos + row).to(tl.int64)
-                used = pos >= 0  # -1: a row this part's accumulator does not hold
-                # the group holds some row of this part (and the head is one of the H)
-                read = (tl.max(used.to(tl.int32), axis=0) > 0) & head_ok
-                base = (data_ptr + (p * B + b) * s_data_bp + head * s_data_h
-                        + group * (64 * DIM))
-                g1 = tl.where(used[:, None], _fa4_sm90_half(base, read, COL8, HALF), 0.0)
-                g2 = tl.where(used[:, None],
-                              _fa4_sm90_half(base + HALF * 64, read, COL8, HALF), 0.0)
-                tab = pos[:, None] * s_tab + c[None, :]
-                cos = tl.load(cos_ptr + tab, mask=ok & used[:, None], other=0.0)
-                sin = tl.load(sin_ptr + tab, mask=ok & used[:, None], other=0.0)
-                if FACTORS:
-                    f = tl.load(factor_ptr + p * s_factor + row).to(tl.float32)[:, None]
-                    cos = cos * f
-                    sin = sin * f
-                acc1 += g1 * cos + g2 * sin  # R^T g: (g1 c + g2 s, g2 c - g1 s)
-                acc2 += g2 * cos - g1 * sin
-            # out's heads in groups of PER_GROUP (one group: PER_GROUP heads, s_out_g unused)
-            o_head = (head // PER_GROUP) * s_out_g + (head % PER_GROUP) * s_out_h
-            o_off = b * s_out_b + row[:, None] * s_out_s + o_head + c[None, :]
-            o_mask = ok & head_ok
-            tl.store(out_ptr + o_off, (acc1 * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.store(out_ptr + o_off + HALF, (acc2 * scale).to(out_ptr.dtype.element_ty),
-                     mask=o_mask)
+        acc1 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
+        acc2 = tl.zeros((64, COL8 * 8), dtype=tl.float32)
+        for p in tl.static_range(PARTS):
+            pos = tl.load(pos_ptr + p * s_pos + row).to(tl.int64)
+            used = pos >= 0  # -1: a row this part's accumulator does not hold
+            read = tl.max(used.to(tl.int32), axis=0) > 0  # the group holds some row of it
+            base = data_ptr + (p * B + b) * s_data_bp + head * s_data_h + group * (64 * DIM)
+            g1 = tl.where(used[:, None], _fa4_sm90_half(base, read, COL8, HALF), 0.0)
+            g2 = tl.where(used[:, None], _fa4_sm90_half(base + HALF * 64, read, COL8, HALF),
+                          0.0)
+            tab = pos[:, None] * s_tab + c[None, :]
+            cos = tl.load(cos_ptr + tab, mask=ok & used[:, None], other=0.0)
+            sin = tl.load(sin_ptr + tab, mask=ok & used[:, None], other=0.0)
+            if FACTORS:
+                f = tl.load(factor_ptr + p * s_factor + row).to(tl.float32)[:, None]
+                cos = cos * f
+                sin = sin * f
+            acc1 += g1 * cos + g2 * sin  # R^T g: (g1 c + g2 s, g2 c - g1 s)
+            acc2 += g2 * cos - g1 * sin
+        # out's heads in groups of PER_GROUP (one group: PER_GROUP heads, s_out_g unused)
+        o_head = (head // PER_GROUP) * s_out_g + (head % PER_GROUP) * s_out_h
+        o_off = b * s_out_b + row[:, None] * s_out_s + o_head + c[None, :]
+        tl.store(out_ptr + o_off, (acc1 * scale).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + o_off + HALF, (acc2 * scale).to(out_ptr.dtype.element_ty), mask=ok)
