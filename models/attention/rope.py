@@ -104,14 +104,18 @@ def rotate_multi(x: torch.Tensor, positions: torch.Tensor, cos_half: torch.Tenso
         x.stride(0), x.stride(1), group_stride, head_stride, out.stride(0), out.stride(1),
         out.stride(2), out.stride(3), pos.stride(0), cos_half.stride(0),
         NUM_OUT=n, HALF=d // 2, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=8,
+        num_warps=_WARPS,
     )
     return out
 
 
+# Warps of a rotation kernel's program; `_blocks` sizes the program to 8 elements a thread.
+_WARPS = 8
+
+
 def _blocks(heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(heads, half dims, tokens) of one program of the rotation kernels (8 warps): every
-    head, and tokens for ~2048 elements of each half, 8 a thread (at 32K, 16 heads of 128, of
+    """(heads, half dims, tokens) of one program of the rotation kernels: every head, and
+    tokens for ~2048 elements of each half, 8 a thread at _WARPS (at 32K, 16 heads of 128, of
     1-8 tokens at 4 or 8 warps the fastest had 8 elements a thread: docs/benchmarks.md, "The
     rotations' loads and stores streamed")."""
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim // 2)
@@ -166,7 +170,7 @@ def rotate_transpose_sum(grads: list[torch.Tensor], positions: list[torch.Tensor
         g[2].stride(0), g[2].stride(1), out.stride(0), group_stride, head_stride,
         cos_half.stride(0),
         NUM_IN=len(grads), ROTATE=positions is not None, ACCUMULATE=accumulate, HALF=d // 2,
-        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8,
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_WARPS,
     )
 
 
