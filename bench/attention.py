@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.timing import alternating_ratios, host_time_ms, peak_mib, time_ms
+from bench.timing import alternating_ratios, base_first, host_time_ms, peak_mib, time_ms
 from models.attention import kernels, lse_attention
 from models.attention.dca.attention import dual_chunk_attention
 
@@ -375,12 +375,17 @@ def main() -> None:
           f"sample\n\n{table}")
     if paired:
         print(f"\nfwd+bwd time of {paired[0]['base']} over each variant's, {args.repeats} "
-              "alternating pairs (--paired):\n\n| seq | heads q/kv | variant | median "
-              "(min - max) |\n|---|---|---|---|")
+              "alternating pairs (--paired), and the medians of the pairs timed in each "
+              "order:\n\n| seq | heads q/kv | variant | median (min - max) | base first | "
+              "variant first |\n|---|---|---|---|---|---|")
         for p in paired:
             r = p["ratios"]
+            by_order = ([x for i, x in enumerate(r) if base_first(i) == first]
+                        for first in (True, False))
             print(f"| {p['seq']} | {args.heads}/{p['kv_heads']} | {p['variant']} | "
-                  f"{statistics.median(r):.3f}x ({min(r):.3f} - {max(r):.3f}) |")
+                  f"{statistics.median(r):.3f}x ({min(r):.3f} - {max(r):.3f}) | "
+                  + " | ".join(f"{statistics.median(x):.3f}x" if x else "-" for x in by_order)
+                  + " |")
     if lse_attention.REFUSED:
         print("\nkernel calls refused (fell back to the next backend):",
               sorted(map(str, lse_attention.REFUSED)))

@@ -62,17 +62,28 @@ def alternating_samples(base: Callable[[], object], others: dict[str, Callable[[
                         warmup: int, repeats: int, back_to_back: int = 1,
                         ) -> dict[str, list[tuple[float, float]]]:
     """(base's ms, the other's ms) per sample for each of `others`: every sample a pair timed
-    in turn (base, then the other), the others' pairs interleaved in each repeat, so each pair
-    meets the same clocks and power state, which drift between separate runs by more than the
-    ratios a goal asks about. Everything is warmed up first."""
+    in turn, the others' pairs interleaved in each repeat, so each pair meets the same clocks
+    and power state, which drift between separate runs by more than the ratios a goal asks
+    about. The pair's order swaps every repeat (base first in even ones, `base_first`), so
+    neither step always runs on the clock the other leaves. Everything is warmed up first."""
     for fn in (base, *others.values()):
         time_ms(fn, warmup, 0)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in others}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for name, fn in others.items():
-            samples[name].append((time_ms(base, 0, 1, back_to_back)[0],
-                                  time_ms(fn, 0, 1, back_to_back)[0]))
+            if base_first(repeat):
+                t_base = time_ms(base, 0, 1, back_to_back)[0]
+                t_other = time_ms(fn, 0, 1, back_to_back)[0]
+            else:
+                t_other = time_ms(fn, 0, 1, back_to_back)[0]
+                t_base = time_ms(base, 0, 1, back_to_back)[0]
+            samples[name].append((t_base, t_other))
     return samples
+
+
+def base_first(sample: int) -> bool:
+    """Whether alternating_samples timed the base first in this sample (its index)."""
+    return sample % 2 == 0
 
 
 def alternating_ratios(base: Callable[[], object], other: Callable[[], object], warmup: int,

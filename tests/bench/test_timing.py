@@ -4,6 +4,7 @@ experiment scripts' comparison and patch-and-restore forms."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -63,9 +64,9 @@ def test_times_are_per_call_and_exclude_warm_up(back_to_back: int,
 
 
 def test_alternating_ratios_pair_each_sample(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--paired: base and other timed in turn, warm-ups first, one ratio per pair; the clock
-    slows down over the run (as a GPU reaching its power cap does) and each pair still gives
-    the ratio of its own two calls."""
+    """--paired: base and other timed in turn, warm-ups first, one ratio per pair, the order
+    swapped every pair; the clock slows down over the run (as a GPU reaching its power cap
+    does) and each pair still gives the ratio of its own two calls."""
     clock = _Clock()
     monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
     order: list[str] = []
@@ -73,9 +74,26 @@ def test_alternating_ratios_pair_each_sample(monkeypatch: pytest.MonkeyPatch) ->
     base, other = (_recorded_call(clock, order, name, ms, drift=0.1)
                    for name, ms in (("base", 2.0), ("other", 4.0)))
     ratios = timing.alternating_ratios(base, other, warmup=1, repeats=3)
-    assert order == ["base", "other"] + ["base", "other"] * 3
-    expected = [2.0 * (1 + 0.1 * n) / (4.0 * (1 + 0.1 * (n + 1))) for n in (3, 5, 7)]
+    assert order == ["base", "other"] + ["base", "other", "other", "base", "base", "other"]
+    assert [timing.base_first(i) for i in range(3)] == [True, False, True]
+    # the n-th call (1-based) takes ms * (1 + 0.1 n)
+    expected = [2.0 * 1.3 / (4.0 * 1.4), 2.0 * 1.6 / (4.0 * 1.5), 2.0 * 1.7 / (4.0 * 1.8)]
     assert ratios == pytest.approx(expected)
+
+
+def test_swapped_order_cancels_a_steady_drift(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the clock slowing call by call, the step timed second in a pair is always the
+    slower for it; the order swapped every pair puts that bias on each side in turn, so the
+    pairs' ratios straddle the true one and their median is it (in one order it would be
+    0.495 at every pair)."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
+    order: list[str] = []
+    base, other = (_recorded_call(clock, order, name, ms, drift=0.01)
+                   for name, ms in (("base", 2.0), ("other", 4.0)))
+    ratios = timing.alternating_ratios(base, other, warmup=1, repeats=4)
+    assert [r < 0.5 for r in ratios] == [True, False, True, False]
+    assert statistics.median(ratios) == pytest.approx(0.5, abs=1e-4)
 
 
 def test_alternating_samples_interleave_the_others_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +106,7 @@ def test_alternating_samples_interleave_the_others_pairs(monkeypatch: pytest.Mon
     base, a, b = (_recorded_call(clock, order, name, ms)
                   for name, ms in (("base", 2.0), ("a", 4.0), ("b", 1.0)))
     samples = timing.alternating_samples(base, {"a": a, "b": b}, warmup=1, repeats=2)
-    assert order == ["base", "a", "b"] + ["base", "a", "base", "b"] * 2
+    assert order == ["base", "a", "b"] + ["base", "a", "base", "b"] + ["a", "base", "b", "base"]
     assert samples == {"a": [(2.0, 4.0)] * 2, "b": [(2.0, 1.0)] * 2}
     assert timing.describe_pairs(samples["a"], "FA4 causal", "DCA") == (
         "FA4 causal 2.00 ms, DCA 4.00 ms, ratio 0.500 (0.500 - 0.500)")
@@ -105,8 +123,8 @@ def test_print_pairs_warms_up_then_states_each_pair_and_peak(
     peaks = {base: 100.0, a: 111.0}
     timing.print_pairs(base, {"cut a": a}, repeats=2, back_to_back=[1, 3], label="32768 16/16",
                           peak=peaks.__getitem__)
-    assert order == (["base"] * 3 + ["a"] * 3 + ["base", "a"] * 2
-                     + (["base"] * 3 + ["a"] * 3) * 2)
+    assert order == (["base"] * 3 + ["a"] * 3 + ["base", "a", "a", "base"]
+                     + ["base"] * 3 + ["a"] * 6 + ["base"] * 3)
     assert capsys.readouterr().out.splitlines() == [
         f"32768 16/16 calls/sample {b2b} cut a: FA4 causal 2.00 ms, DCA 4.00 ms, ratio 0.500 "
         "(0.500 - 0.500), peak 111 MiB = 1.110x FA4 causal's 100" for b2b in (1, 3)]
