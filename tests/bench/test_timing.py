@@ -63,20 +63,26 @@ def test_times_are_per_call_and_exclude_warm_up(back_to_back: int,
     assert clock.calls == 1 + 5 * back_to_back
 
 
+def _drifting_pair(monkeypatch: pytest.MonkeyPatch, drift: float,
+                   ) -> tuple[list[str], Callable[[], None], Callable[[], None]]:
+    """The fake clock installed, and a base step of 2 ms and another of 4 ms that slow down as
+    the run goes on (the n-th call takes ms x (1 + drift n)), recording their calls in order."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
+    order: list[str] = []
+    base, other = (_recorded_call(clock, order, name, ms, drift)
+                   for name, ms in (("base", 2.0), ("other", 4.0)))
+    return order, base, other
+
+
 def test_alternating_ratios_pair_each_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """--paired: base and other timed in turn, warm-ups first, one ratio per pair, the order
     swapped every pair; the clock slows down over the run (as a GPU reaching its power cap
     does) and each pair still gives the ratio of its own two calls."""
-    clock = _Clock()
-    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
-    order: list[str] = []
-    # everything slows as the run goes on
-    base, other = (_recorded_call(clock, order, name, ms, drift=0.1)
-                   for name, ms in (("base", 2.0), ("other", 4.0)))
+    order, base, other = _drifting_pair(monkeypatch, drift=0.1)
     ratios = timing.alternating_ratios(base, other, warmup=1, repeats=3)
     assert order == ["base", "other"] + ["base", "other", "other", "base", "base", "other"]
     assert [timing.base_first(i) for i in range(3)] == [True, False, True]
-    # the n-th call (1-based) takes ms * (1 + 0.1 n)
     expected = [2.0 * 1.3 / (4.0 * 1.4), 2.0 * 1.6 / (4.0 * 1.5), 2.0 * 1.7 / (4.0 * 1.8)]
     assert ratios == pytest.approx(expected)
 
@@ -85,12 +91,8 @@ def test_swapped_order_cancels_a_steady_drift(monkeypatch: pytest.MonkeyPatch) -
     """With the clock slowing call by call, the step timed second in a pair is always the
     slower for it; the order swapped every pair puts that bias on each side in turn, so the
     pairs' ratios straddle the true one and their median is it (in one order it would be
-    0.495 at every pair)."""
-    clock = _Clock()
-    monkeypatch.setattr(torch.cuda, "Event", _fake_event(clock))
-    order: list[str] = []
-    base, other = (_recorded_call(clock, order, name, ms, drift=0.01)
-                   for name, ms in (("base", 2.0), ("other", 4.0)))
+    below 0.5 at every pair)."""
+    _, base, other = _drifting_pair(monkeypatch, drift=0.01)
     ratios = timing.alternating_ratios(base, other, warmup=1, repeats=4)
     assert [r < 0.5 for r in ratios] == [True, False, True, False]
     assert statistics.median(ratios) == pytest.approx(0.5, abs=1e-4)
