@@ -113,6 +113,13 @@ def fa4_applies(x: torch.Tensor) -> bool:
             and fa4_takes_head_dim(x.shape[-1]))
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (SM90), the one architecture FA4's SM90 kernels run on
+    (their WGMMA instructions exist on SM90 only): DCA's own kernels derive from them, so on
+    later GPUs DCA takes the part calls, which FA4 dispatches to that GPU's kernels."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def fa4_takes_head_dim(head_dim: int) -> bool:
     """Whether FA4 serves this head dim; the others take the next kernel (cuDNN).
 

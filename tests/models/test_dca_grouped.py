@@ -68,6 +68,7 @@ def test_kernels_apply_only_where_they_are_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.zeros(1, seq, 4, 64)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
+    monkeypatch.setattr(kernels, "hopper", lambda device: True)
     assert grouped.kernel_applies(q, chunk - local, cu is not None) is expected
     for head_dim in (192, 72, 80, 32):  # above 128; not checked on the GPU (72: wrong there)
         assert grouped.kernel_applies(torch.zeros(1, seq, 4, head_dim), chunk - local,
@@ -75,6 +76,9 @@ def test_kernels_apply_only_where_they_are_exact(
     for head_dim in (96, 128):
         assert grouped.kernel_applies(torch.zeros(1, seq, 4, head_dim), chunk - local,
                                       cu is not None) is expected
+    monkeypatch.setattr(kernels, "hopper", lambda device: False)  # FA4 on a later GPU
+    assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
+    monkeypatch.setattr(kernels, "hopper", lambda device: True)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)  # CPU, other kernels
     assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
 
@@ -87,6 +91,7 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
     """(DCA's kernels, the backward in one piece) per `dca_backward`, where the kernels apply
     (FA4, aligned); the part calls where they do not."""
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
+    monkeypatch.setattr(kernels, "hopper", lambda device: True)
     q = torch.zeros(1, 4096, 4, 64)
     assert grouped.paths(q, 896, False, backward) == (*expected, False)
     assert grouped.paths(q, 896, False, backward, keep_rotated=True) == (

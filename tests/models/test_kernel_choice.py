@@ -142,6 +142,19 @@ def test_fa4_only_at_head_dims_its_backward_pads_alike(monkeypatch: pytest.Monke
     assert kernels.fa4_applies(q) is expected
 
 
+@pytest.mark.parametrize(("capability", "expected"), [
+    ((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False),
+])
+def test_only_hopper_runs_fa4s_sm90_kernels(monkeypatch: pytest.MonkeyPatch,
+                                            capability: tuple[int, int], expected: bool) -> None:
+    """DCA's own kernels derive from FA4's SM90 kernels (WGMMA: Hopper only), so they run on
+    SM90 alone; Blackwell (10.x, 12.x) and the CPU take DCA's part calls, which FA4 runs with
+    its kernels for that GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert kernels.hopper(torch.device("cuda", 0)) is expected
+    assert kernels.hopper(torch.device("cpu")) is False
+
+
 def test_a_cpu_build_leaves_the_gpu_choice_to_the_setting(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A model built for the CPU (math) in a process that later runs CUDA attention (the test

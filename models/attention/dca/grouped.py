@@ -12,9 +12,11 @@ Backward (fa4_backward.py): with the merged out and lse (the global-LSE recipe, 
 backward.py); dK/dV leave it summed over the parts, dQ per part in float32 accumulators,
 rotated back and summed into dq in one pass (dq_parts.py).
 
-Where the kernels apply (`kernel_applies`): kernel fa4 on CUDA bf16/fp16, no packed documents,
-the chunk length L and the sequence multiples of BLOCK (each tile then lies in one query chunk
-and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96 and 128.
+Where the kernels apply (`kernel_applies`): kernel fa4 on a Hopper GPU (they derive from FA4's
+SM90 kernels; on later GPUs the part calls run FA4's kernels for them), bf16/fp16, no packed
+documents, the chunk length L and the sequence multiples of BLOCK (each tile then lies in one
+query chunk and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96
+and 128.
 The forward holds every part's rotated q (three times q's size) for its one call. The backward
 holds, per query row and head, its three rotated copies and three float32 dQ accumulators (nine
 times q's size in bf16), so under `dca_backward=auto` it runs in as few pieces as keep the
@@ -62,11 +64,11 @@ HEAD_DIMS = (64, 96, 128)
 
 def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
     """Whether DCA's kernels (fa4_forward.py, fa4_backward.py) serve DCA on q with chunk length
-    `length` (packed: documents given): kernel fa4 on CUDA bf16/fp16, one document per
-    sequence, L and the sequence multiples of BLOCK, head_dim one of HEAD_DIMS. Decided once
-    per call, in its DCAPlan."""
-    return (kernels.fa4_applies(q) and not packed and length % BLOCK == 0
-            and q.shape[1] % BLOCK == 0 and q.shape[-1] in HEAD_DIMS)
+    `length` (packed: documents given): kernel fa4 on a Hopper GPU (kernels.hopper) in
+    bf16/fp16, one document per sequence, L and the sequence multiples of BLOCK, head_dim one
+    of HEAD_DIMS. Decided once per call, in its DCAPlan."""
+    return (kernels.fa4_applies(q) and kernels.hopper(q.device) and not packed
+            and length % BLOCK == 0 and q.shape[1] % BLOCK == 0 and q.shape[-1] in HEAD_DIMS)
 
 
 def paths(q: torch.Tensor, length: int, packed: bool, backward: str,
