@@ -31,6 +31,14 @@ def qkv_slots(fused: torch.Tensor, q_per_group: int) -> tuple[torch.Tensor, ...]
             fused[..., q_width:q_width + head_dim], fused[..., q_width + head_dim:])
 
 
+def _shared_base(*views: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous tensor all `views` are views of, or None."""
+    base = views[0]._base
+    if base is None or any(v._base is not base for v in views) or not base.is_contiguous():
+        return None
+    return base
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
@@ -50,9 +58,8 @@ class _GroupedSplit(torch.autograd.Function):
     def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         shape, dtype, q_per_group = ctx.layout
-        base = dq._base
-        if (base is not None and dk._base is base and dv._base is base and base.dtype == dtype
-                and base.is_contiguous() and base.numel() == shape.numel()):
+        base = _shared_base(dq, dk, dv)
+        if base is not None and base.dtype == dtype and base.numel() == shape.numel():
             fused = base.view(shape)
             if all(_same_view(g, slot) for g, slot in zip((dq, dk, dv),
                                                           qkv_slots(fused, q_per_group))):
@@ -75,8 +82,8 @@ def gradient_slots(q: torch.Tensor, k: torch.Tensor,
     """Empty gradients for q, k and v (views of one contiguous tensor, as `split_grouped`
     makes them) laid out in one new tensor as they lie in theirs, so that the split's backward
     takes it whole; None where they are not such views."""
-    base = q._base
-    if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
+    base = _shared_base(q, k, v)
+    if base is None:
         return None
     grad = torch.empty_like(base)
     return tuple(grad.as_strided(x.shape, x.stride(),
