@@ -1,15 +1,17 @@
-"""Generation speed: `trainer.generate`'s cached decoding and the exported transformers remote
-code, against transformers' own standard attention on the same weights.
+"""Generation speed: the decoding engine (what `trainer.generate` and `trainer.eval` run) and the
+exported transformers remote code, against transformers' own standard attention on the same
+weights.
 
     python -m bench.generate    # the GPU: gpt_1p3b, bf16, DCA, prefill 32K, decode 256
     python -m bench.generate --model tiny --prefill 64 --decode 8 --dca-chunk 16 --dca-local 4 \\
-        --device cpu --dtype fp32    # a minute on a CPU
+        --device cpu --dtype fp32 --batch 1,2    # a minute on a CPU
 
 One random model of the `conf/model` shape is built by the trainer's factory and saved twice as
 a checkpoint (with `--attention` and with standard attention), each exported with
-`python -m ckpt export-hf`'s code. Rows (one prompt of `--prefill` random tokens, greedy):
-- trainer:     trainer/kv_cache.py's CachedDecoder on the trainer's model (what trainer.generate
-               runs per token), `--attention`;
+`python -m ckpt export-hf`'s code. Rows (prompts of `--prefill` random tokens, greedy):
+- trainer:     trainer/engine's DecodeEngine on the trainer's model, `--attention`, one row per
+               `--batch` size (batch > 1: that many different prompts; decode_tok_s counts the
+               tokens of every row);
 - remote:      the export's remote code (`trust_remote_code=True`) through `generate()`;
 - hf_standard: the standard-attention export as transformers' own Llama (SDPA) through
                `generate()`.
@@ -68,25 +70,34 @@ def _write_checkpoints(root: Path, args: argparse.Namespace, device: torch.devic
     return gpt.eval()
 
 
-def _trainer_row(model, prompt: torch.Tensor, decode: int, vocab: int,
-                 device: torch.device) -> dict:
-    from trainer.kv_cache import CachedDecoder
+def _trainer_row(model, prompt: torch.Tensor, decode: int, vocab: int, batch: int,
+                 graphs: bool, device: torch.device) -> dict:
+    """The engine's prefill of `batch` prompts (the first is `prompt`) and its decode steps:
+    timed through its token callback, after a warm-up call (kernel compilation, the graph)."""
+    from trainer.engine import DecodeEngine, EngineOptions
 
-    CachedDecoder(model, vocab).prefill(prompt)  # warm-up, as the other rows'
-    cache = CachedDecoder(model, vocab)
+    seed = torch.Generator().manual_seed(1)
+    rows = [prompt[0].tolist()] + [torch.randint(0, vocab, (prompt.shape[1],),
+                                                 generator=seed).tolist()
+                                   for _ in range(batch - 1)]
+    engine = DecodeEngine(model, vocab, EngineOptions(max_batch=batch, cuda_graphs=graphs))
+    engine.generate(rows, 3)  # warm-up
+    times: list[float] = []
+
+    def tick(i: int, tokens: list[int]) -> None:
+        if i == 0:
+            _sync(device)
+            times.append(time.perf_counter())
+
     _sync(device)
     t0 = time.perf_counter()
-    token = cache.prefill(prompt).argmax(-1, keepdim=True)
-    _sync(device)
-    t1 = time.perf_counter()
-    tokens = []
-    for _ in range(decode):
-        tokens.append(int(token))
-        token = cache.step(token).argmax(-1, keepdim=True)
-    _sync(device)
-    t2 = time.perf_counter()
-    return {"variant": "trainer", "prefill_s": t1 - t0, "decode_tok_s": decode / (t2 - t1),
-            "tokens": tokens}
+    out = engine.generate(rows, decode + 1, on_tokens=tick)
+    # times[0]: the first token (after the prefill); times[-1]: the last step's
+    steps = len(times) - 1
+    engine.release()
+    return {"variant": "trainer" if batch == 1 else f"trainer_b{batch}",
+            "batch": batch, "cuda_graphs": graphs, "prefill_s": times[0] - t0,
+            "decode_tok_s": batch * steps / (times[-1] - times[0]), "tokens": out[0][:decode]}
 
 
 def _recompute_row(model, prompt: torch.Tensor, steps: int, vocab: int,
@@ -113,7 +124,7 @@ def _recompute_row(model, prompt: torch.Tensor, steps: int, vocab: int,
 
 
 def _hf_row(name: str, directory: Path, prompt: torch.Tensor, decode: int, dtype: torch.dtype,
-            device: torch.device) -> dict:
+            device: torch.device, static: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
@@ -141,7 +152,8 @@ def _hf_row(name: str, directory: Path, prompt: torch.Tensor, decode: int, dtype
         clock.times.append(time.perf_counter())
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, streamer=clock)
+                                 min_new_tokens=new, do_sample=False, streamer=clock,
+                                 **({"cache_implementation": "static"} if static else {}))
         return clock.times, out[0, prompt.shape[1]:]
 
     run(2)  # warm-up (kernel selection, remote code import)
@@ -149,7 +161,7 @@ def _hf_row(name: str, directory: Path, prompt: torch.Tensor, decode: int, dtype
     # times: start, prompt handed over, token 0 (after the prefill), tokens 1.., end
     del model
     gc.collect()
-    return {"variant": name, "prefill_s": times[2] - times[0],
+    return {"variant": name + ("_static" if static else ""), "prefill_s": times[2] - times[0],
             "decode_tok_s": decode / (times[-2] - times[2]), "tokens": out.tolist()[:decode]}
 
 
@@ -167,7 +179,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
         initialize_parallel(device, 1, 0)
         try:
             model = _write_checkpoints(root, args, device)
-            rows.append(_trainer_row(model, prompt, args.decode, args.vocab, device))
+            for batch in args.batch:
+                rows.append(_trainer_row(model, prompt, args.decode, args.vocab, batch,
+                                         not args.no_graphs, device))
             if args.recompute:
                 rows.append(_recompute_row(model, prompt, args.recompute, args.vocab, device))
             del model
@@ -179,6 +193,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
         export_hf(root / "variant", root / "hf_variant")
         export_hf(root / "standard", root / "hf_standard")
         rows.append(_hf_row("remote", root / "hf_variant", prompt, args.decode, dtype, device))
+        if args.static_cache:
+            rows.append(_hf_row("remote", root / "hf_variant", prompt, args.decode, dtype,
+                                device, static=True))
         rows.append(_hf_row("hf_standard", root / "hf_standard", prompt, args.decode, dtype,
                             device))
     for row in rows:
@@ -204,6 +221,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recompute", type=int, default=8,
                         help="also time this many tokens recomputing the whole sequence each "
                              "(trainer.generate kv_cache=false); 0: skip")
+    parser.add_argument("--batch", type=lambda text: [int(x) for x in text.split(",")],
+                        default=[1, 16], help="the engine's batch sizes, comma-separated")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="the engine's decode steps eagerly (no CUDA graph)")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="the remote-code row with transformers' static cache")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tmp", default=None, help="where the checkpoints and exports go")

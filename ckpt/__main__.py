@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ckpt import destination, hf_export, hf_import, inspect, reshape, verify, zarr_export
+from ckpt import (
+    destination,
+    gguf,
+    hf_export,
+    hf_import,
+    inspect,
+    reshape,
+    verify,
+    zarr_export,
+)
 from ckpt.destination import DestinationError
 from ckpt.hf_config import HFError
 from ckpt.reader import CheckpointError
@@ -23,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
                     "torch_dist training checkpoints. SRC/DIR may be a checkpoints root (its "
                     "latest complete checkpoint is used) or one iter_* directory.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (inspect, verify, reshape, zarr_export, hf_import, hf_export):
+    for module in (inspect, verify, reshape, zarr_export, hf_import, hf_export, gguf):
         module.add_parser(commands)
     return p
 

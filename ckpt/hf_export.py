@@ -15,6 +15,12 @@ trained with. A Qwen2-shaped DCA model without RoPE scaling or gate also keeps m
 and carries sglang's `dual_chunk_attention_config`. `max_position_embeddings` is the model's own
 (the imported model's, else the trained length; `--max-position-embeddings` for the length DCA
 extends it to, the model's own then recorded as "longctx".original_max_position_embeddings).
+
+Training-free context extension, shipped without a fine-tune: `--attention dca` exports the
+model with Dual Chunk Attention (sizes `--dca-chunk-size`/`--dca-local-size`, default ChunkLlama's
+split of the model's own length T: 3T/4 and T/16), `--rope-scaling linear|ntk|yarn --rope-factor
+s` with RoPE scaling from T (a plain Llama/Qwen2 config transformers runs natively); either
+records `--max-position-embeddings` (default 4T for DCA, sT for RoPE scaling).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 from models.gpt import ffn_hidden_size
-from models.schema import ModelConfig
+from models.schema import ModelConfig, dca_pretrained_split
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -133,15 +139,73 @@ def export_vocab(ckpt: Checkpoint) -> int:
     return min(ckpt.meta.vocab_size, ckpt.tensors[MODEL_WEIGHT].shape[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class Extension:
+    """A training-free context extension added at export (see the module doc)."""
+
+    attention: str | None = None  # "dca"
+    dca_chunk_size: int | None = None
+    dca_local_size: int | None = None
+    rope_scaling: str | None = None  # linear | ntk | yarn
+    rope_factor: float | None = None
+
+    def apply(self, ckpt: Checkpoint, own: int) -> tuple[Checkpoint, int]:
+        """The checkpoint as if it had these settings, and the length to record by default."""
+        meta = ckpt.meta
+        if self.attention is None and self.rope_scaling is None:
+            if self.dca_chunk_size or self.dca_local_size or self.rope_factor:
+                raise HFError("--dca-chunk-size/--dca-local-size need --attention dca, "
+                              "--rope-factor needs --rope-scaling")
+            return ckpt, 0
+        if self.attention and self.rope_scaling:
+            raise HFError("choose one extension: --attention dca or --rope-scaling")
+        if self.attention is not None:
+            if self.attention != "dca" or meta.attention.kind not in ("standard", "dca"):
+                raise HFError(f"--attention {self.attention}: only dca, on a model with "
+                              f"standard attention (this one has {meta.attention.kind})")
+            chunk, local = dca_pretrained_split(own)
+            chunk = self.dca_chunk_size or chunk
+            local = self.dca_local_size or (local if local < chunk else max(1, chunk // 12))
+            if not 0 < local < chunk:
+                raise HFError(f"--dca-local-size {local} must be positive and below "
+                              f"--dca-chunk-size {chunk}")
+            attention = dataclasses.replace(meta.attention, kind="dca", dca_chunk_size=chunk,
+                                            dca_local_size=local)
+            print(f"adding DCA: chunk {chunk}, local window {local} (the model's length {own})")
+            return _with(ckpt, dataclasses.replace(meta, attention=attention)), 4 * own
+        if self.rope_scaling not in ("linear", "ntk", "yarn"):
+            raise HFError(f"--rope-scaling {self.rope_scaling}: choose linear, ntk or yarn")
+        if meta.model.rope_scaling_type != "none":
+            raise HFError(f"the model already scales RoPE ({meta.model.rope_scaling_type}); "
+                          "export it without --rope-scaling")
+        factor = self.rope_factor or 4.0
+        if not factor > 1:
+            raise HFError(f"--rope-factor {factor} must be above 1")
+        model = dataclasses.replace(meta.model, rope_scaling_type=self.rope_scaling,
+                                    rope_scaling_factor=factor, rope_original_max_position=own)
+        print(f"adding RoPE scaling: {self.rope_scaling} x{factor:g} from {own}")
+        return _with(ckpt, dataclasses.replace(meta, model=model)), int(factor * own)
+
+
+def _with(ckpt: Checkpoint, meta) -> Checkpoint:
+    """`ckpt` read as usual, its record replaced."""
+    out = Checkpoint(ckpt.path)
+    out.__dict__["meta"] = meta  # the record is a cached property: this copy's own
+    return out
+
+
 def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
-              max_shard_bytes: int = 5 * 2**30, max_positions: int | None = None) -> None:
+              max_shard_bytes: int = 5 * 2**30, max_positions: int | None = None,
+              extension: Extension = Extension()) -> None:
     """Write checkpoint `src` as the Hugging Face model directory `dst` (`max_positions`: the
-    max_position_embeddings to write; default the model's own)."""
+    max_position_embeddings to write; default the model's own), with `extension` added."""
     if max_shard_bytes < 1:
         raise HFError(f"--max-shard-bytes {max_shard_bytes} must be >= 1 (bytes per "
                       "safetensors shard; the default is 5 GiB)")
     src_dir = resolve_checkpoint(src)
     ckpt = Checkpoint(src_dir)
+    ckpt, extended = extension.apply(ckpt, model_max_positions(ckpt))
+    max_positions = max_positions or extended or None
     m = _model(ckpt)
     problems = _refusals(ckpt, m)
     if problems:
@@ -224,11 +288,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="split model.safetensors into shards with an index above this size")
     p.add_argument("--max-position-embeddings", type=int, metavar="N",
                    help="the context length to record (default: the model's own, the imported "
-                        "model's or the trained length); e.g. the length a DCA model serves")
+                        "model's or the trained length; with an extension 4x for DCA, the "
+                        "factor's for RoPE scaling); e.g. the length a DCA model serves")
+    extend = p.add_argument_group("training-free context extension (no fine-tune)")
+    extend.add_argument("--attention", choices=("dca",),
+                        help="export a standard-attention model with Dual Chunk Attention")
+    extend.add_argument("--dca-chunk-size", type=int, metavar="C",
+                        help="DCA's chunk (default 3T/4 of the model's length T)")
+    extend.add_argument("--dca-local-size", type=int, metavar="W",
+                        help="DCA's local window (default T/16)")
+    extend.add_argument("--rope-scaling", choices=("linear", "ntk", "yarn"),
+                        help="export with RoPE scaling from the model's length")
+    extend.add_argument("--rope-factor", type=float, metavar="S",
+                        help="the RoPE scaling factor (default 4)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    extension = Extension(args.attention, args.dca_chunk_size, args.dca_local_size,
+                          args.rope_scaling, args.rope_factor)
     export_hf(args.src, args.dst, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
-              max_positions=args.max_position_embeddings)
+              max_positions=args.max_position_embeddings, extension=extension)
     return 0

@@ -79,6 +79,13 @@ class AttentionConfig:
     head_wise_attn_gate_init_bias: float = 2.0
 
 
+def dca_pretrained_split(length: int) -> tuple[int, int]:
+    """DCA's (dca_chunk_size, dca_local_size) for a model pretrained at `length` tokens:
+    ChunkLlama's split (HKUNLP/ChunkLlama `replace_with_chunkllama`), chunk 3T/4 and local window
+    T/16, the one that kept a real pretrained model's retrieval at 4T (docs/experiments.md)."""
+    return max(2, 3 * int(length) // 4), max(1, int(length) // 16)
+
+
 @dataclass
 class ParallelConfig:
     """Model parallelism; data parallelism takes the remaining ranks (world / (tp x cp x pp))."""

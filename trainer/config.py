@@ -115,7 +115,24 @@ class LoggerConfig:
 
 @dataclass
 class EvalConfig:
-    """`python -m trainer.eval`: passkey retrieval and perplexity by context length."""
+    """`python -m trainer.eval`: passkey retrieval and perplexity by context length (suite
+    passkey), or the RULER-style suite (suite ruler); and the suite subset run during training."""
+
+    suite: str = "passkey"  # passkey (passkey, multi-key, perplexity) | ruler (trainer/evals/ruler)
+    # ruler: task names (None: all 13, the QA tasks when qa_file is given), samples per task and
+    # length, prompt format (base | chat | auto: chat when the tokenizer has a chat template),
+    # the effective-length threshold (RULER's 85.6), a SQuAD- or HotpotQA-format JSON file
+    tasks: list[str] | None = None
+    samples: int = 50
+    template: str = "auto"
+    threshold: float = 85.6
+    qa_file: str | None = None
+    write_inputs: bool = False  # ruler: also write the prompts as ruler_inputs.jsonl
+    # During training, at every trainer.eval_interval: these RULER tasks (empty: none) at
+    # train_lengths (None: 2 and 4 x trainer.seq_length), train_samples each
+    train_tasks: list[str] = field(default_factory=list)
+    train_lengths: list[int] | None = None
+    train_samples: int = 10
 
     # context lengths; None: the trained length T, 2T and 4T (T: trained_length or the checkpoint's)
     lengths: list[int] | None = None
@@ -135,6 +152,20 @@ class EvalConfig:
 
 
 @dataclass
+class DecodeConfig:
+    """The decoding engine (trainer/engine) of `trainer.generate`, `trainer.eval` and the suite
+    run during training: how it runs, not what it computes."""
+
+    # tokens per prefill forward: prompts are grouped up to it; a longer prompt is prefilled in
+    # pieces of this many tokens, each attending to the cache
+    prefill_tokens: int = 131072
+    cuda_graphs: bool = True  # the decode step replayed as a CUDA graph (GPU only)
+    # the KV cache's bound in GB (batch x length); None: half the device's memory (the GPU's,
+    # or the machine's RAM on the CPU)
+    max_cache_gb: float | None = None
+
+
+@dataclass
 class TrainConfig:
     """The whole run."""
 
@@ -146,6 +177,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
 
 def build_options(trainer: DictConfig, *, bf16: bool, on_gpu: bool) -> BuildOptions:

@@ -7,14 +7,21 @@ value: the lr floor and warm-up of a run, and the DCA and chunked attention size
 - `attention.dca_chunk_size`, `attention.chunk_size` unset (`conf/attention/*.yaml` interpolate
   `trainer.seq_length` through `chunk_default`): seq_length / 4, at most 8192 (Llama 4's and the
   DCA paper's chunk), so the default job's sequence spans several chunks and a 32K run keeps 8192;
-  `dca_local_size` is an eighth of the chunk (1024 at 8192).
+  `dca_local_size` is an eighth of the chunk (1024 at 8192). That is for a model trained from
+  scratch with DCA.
+- DCA applied to a model that exists (a checkpoint to evaluate, generate from, fine-tune or
+  export) with its sizes unset: the sizes it was trained with when it was trained with DCA, else
+  ChunkLlama's split of its own length T (`models.schema.dca_pretrained_split`: 3T/4, T/16;
+  measured on a real pretrained model in docs/experiments.md).
 """
 
 from __future__ import annotations
 
 import logging
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from models.schema import dca_pretrained_split
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,39 @@ def chunk_default(seq_length: int) -> int:
 def local_default(chunk_size: int) -> int:
     """DCA's local window: an eighth of its chunk (at least 1, below the chunk)."""
     return max(1, int(chunk_size) // 8)
+
+
+DCA_SIZES = ("dca_chunk_size", "dca_local_size")
+
+
+def set_sizes(attention: DictConfig) -> set[str]:
+    """The DCA sizes given a value (the rest still hold conf/attention/dca.yaml's defaults, the
+    `chunk_default` interpolations)."""
+    return {k for k in DCA_SIZES if k in attention and not OmegaConf.is_interpolation(attention, k)}
+
+
+def adopt_dca_split(attention: DictConfig, trained_kind: str, trained_sizes: tuple[int, int],
+                    length: int, typed: set[str]) -> str | None:
+    """DCA applied to an existing model (trained with `trained_kind`, at `trained_sizes` if that
+    was DCA; its own length `length`): fill the sizes not in `typed` (`set_sizes`), in place;
+    returns the one log line that says what was chosen (None when nothing was)."""
+    if attention.kind != "dca" or set(DCA_SIZES) <= typed:
+        return None
+    if trained_kind == "dca":
+        chunk, local = trained_sizes
+        why = "the sizes the model was trained with"
+    else:
+        chunk, local = dca_pretrained_split(length)
+        why = f"ChunkLlama's split of the model's length {length}: 3T/4 and T/16"
+    if "dca_chunk_size" in typed:
+        chunk = attention.dca_chunk_size
+        local = local if local < chunk else max(1, chunk // 12)
+    if "dca_local_size" in typed:
+        local = attention.dca_local_size
+    with open_dict(attention):
+        attention.dca_chunk_size, attention.dca_local_size = int(chunk), int(local)
+    return (f"DCA chunk {chunk}, local window {local} ({why}); set attention.dca_chunk_size "
+            "and attention.dca_local_size to choose")
 
 
 def register_resolvers() -> None:

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
 from ckpt.saved_config import literal
+from models.schema import AttentionConfig
 from trainer.config import (
     CONF_DIR,
     DataConfig,
@@ -56,6 +57,28 @@ def checkpoint_data(cfg: DictConfig, meta: CheckpointMeta) -> DictConfig:
         if value != getattr(DataConfig, key, value):
             data[key] = value
     return data
+
+
+def run_attention(cfg: DictConfig, meta: CheckpointMeta, length: int) -> DictConfig:
+    """The attention to run a checkpoint's model with: the checkpoint's own (its settings as
+    trained), unless this command line selects or sets one; DCA sizes left unset follow the
+    model (`trainer.defaults.adopt_dca_split`: its trained sizes, else ChunkLlama's split of its
+    own `length`), said in one log line. Every value resolved."""
+    from trainer.defaults import adopt_dca_split, set_sizes
+
+    chosen = any(o.lstrip("+~").startswith("attention") for o in command_line_overrides()) \
+        or OmegaConf.to_container(cfg.attention, resolve=True) != asdict(AttentionConfig())
+    if chosen:
+        typed = set_sizes(cfg.attention)
+        attention = OmegaConf.create(OmegaConf.to_container(cfg.attention, resolve=True))
+    else:
+        typed = set()
+        attention = OmegaConf.create(literal(asdict(meta.attention)))
+    trained = (meta.attention.dca_chunk_size, meta.attention.dca_local_size)
+    note = adopt_dca_split(attention, meta.attention.kind, trained, length, typed)
+    log.info("attention %s (%s)%s", attention.kind,
+             "this command line's" if chosen else "the checkpoint's", f"; {note}" if note else "")
+    return OmegaConf.merge(OmegaConf.structured(AttentionConfig), attention)
 
 
 def load_model(cfg: DictConfig, model: DictConfig, tokenizer_spec: str, ckpt: Checkpoint,
@@ -175,29 +198,45 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     trained_length = cfg.eval.trained_length or meta.seq_length
     if cfg.eval.lengths is None:
         cfg.eval.lengths = [trained_length, 2 * trained_length, 4 * trained_length]
-    # the DCA/chunked sizes this command leaves unset follow the trained length, as in training
+    # the chunked sizes this command leaves unset follow the trained length, as in training;
+    # DCA's follow the model (run_attention)
     cfg.trainer.seq_length = trained_length
+    cfg.attention = run_attention(cfg, meta, trained_length)
     typed = typed_model_keys(command_line_overrides())
     model_cfg = with_rope_overrides(cfg.model, literal(asdict(meta.model)), typed,
                                     trained_length, max(cfg.eval.lengths))
     check_model(model_cfg, cfg.attention, cfg.parallel)
     data = checkpoint_data(cfg, meta)
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
+    label = cfg.attention.kind
+    if label == "dca" and cfg.attention.dca_scaling != "none":
+        # the label carries every scaling constant (defaults or not)
+        label += "+" + describe(dca_scaling(cfg.attention), cfg.attention.dca_chunk_size)
+    if describe_rope(model_cfg):
+        label += "+" + describe_rope(model_cfg)
+    log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
+             "lengths %s", ckpt.path, meta.step, meta.attention.kind, label,
+             list(cfg.eval.lengths))
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
     try:
-        model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
-        label = cfg.attention.kind
-        if label == "dca" and cfg.attention.dca_scaling != "none":
-            # the label carries every scaling constant (defaults or not)
-            label += "+" + describe(dca_scaling(cfg.attention), cfg.attention.dca_chunk_size)
-        if describe_rope(model_cfg):
-            label += "+" + describe_rope(model_cfg)
-        log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
-                 "lengths %s", ckpt.path, meta.step, meta.attention.kind, label,
-                 list(cfg.eval.lengths))
         e = cfg.eval
         _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, max(e.lengths),
                                      data.valid_fraction, 0, data.max_documents)
+        if e.suite == "ruler":
+            from trainer.evals.ruler_run import evaluate_ruler
+
+            def model_loader():
+                return load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
+
+            summary = {"checkpoint": str(ckpt.path), "step": meta.step,
+                       "trained_attention": meta.attention.kind,
+                       "attention": OmegaConf.to_container(cfg.attention, resolve=True),
+                       "label": label, "rope": {k: v for k, v in OmegaConf.to_container(
+                           model_cfg).items() if k.startswith("rope_")},
+                       "trained_length": trained_length}
+            return evaluate_ruler(cfg, model_cfg, data.tokenizer, valid.stream, model_loader,
+                                  summary, run_dir, device, bf16, topo.is_main)
+        model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
         fit = fitting_lengths(tokenizer, valid.stream, e)
         cells = passkey_accuracy(model, tokenizer, fit["passkey"], list(e.depths),
                                  e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
@@ -218,7 +257,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         shutdown()
     results = {
         "checkpoint": str(ckpt.path), "step": meta.step, "trained_attention": meta.attention.kind,
-        "attention": OmegaConf.to_container(cfg.attention), "label": label,
+        "attention": OmegaConf.to_container(cfg.attention, resolve=True), "label": label,
         "rope": {k: v for k, v in OmegaConf.to_container(model_cfg).items()
                  if k.startswith("rope_")}, "trained_length": trained_length,
         "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],

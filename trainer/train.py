@@ -31,7 +31,12 @@ from parallel.distributed import (
 )
 from trainer.config import build_options, check_known_keys
 from trainer.data.datasets import DataIterator, build_datasets, validation_batches
-from trainer.defaults import degenerate_attention, resolve_schedule
+from trainer.defaults import (
+    adopt_dca_split,
+    degenerate_attention,
+    resolve_schedule,
+    set_sizes,
+)
 from trainer.evals.passkey import PasskeyMix
 from trainer.init_from import adopt_saved_model, open_load
 from trainer.metrics import MetricsLogger
@@ -97,6 +102,11 @@ class Trainer:
             and source.meta.run_config is not None
         # unset min_lr and warm-up: a resume keeps the saved ones
         resolve_schedule(cfg, saved_run_config(source.meta) if resumed else None)
+        if source and (note := adopt_dca_split(
+                cfg.attention, source.meta.attention.kind,
+                (source.meta.attention.dca_chunk_size, source.meta.attention.dca_local_size),
+                source.meta.seq_length, set_sizes(cfg.attention))):
+            log.info(note)
         if note := degenerate_attention(cfg.attention, cfg.trainer.seq_length):
             log.warning(note)
         start = adopt_saved_model(cfg, source) if source else None
@@ -109,7 +119,7 @@ class Trainer:
         self.run_dir = run_dir
         self.device, self.bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
         self._setup_parallel()
-        tokenizer = self._setup_data()
+        tokenizer = self.tokenizer = self._setup_data()
         vocab = tokenizer.vocab_size
         self._setup_model(start.vocab_size(vocab, cfg.data.tokenizer) if start else vocab)
         # The real vocabulary and the model's origin, recorded again by this run's checkpoints.
@@ -240,6 +250,13 @@ class Trainer:
                                      self.cfg.trainer.eval_batches)
         return validation_loss(self.model, list(batches), self.cfg.trainer.seq_length, self.device)
 
+    def suite_scores(self) -> dict[str, float]:
+        """`eval.train_tasks` of the RULER suite on this model (trainer/evals/ruler_run.py)."""
+        from trainer.evals.ruler_run import training_scores
+
+        return training_scores(self.model[0].module, self.tokenizer, self.cfg,
+                               self.valid_ds.stream, self.step)
+
     def save(self) -> Path:
         cfg = self.cfg
         root = checkpoints_root(cfg, self.run_dir)
@@ -300,6 +317,8 @@ class Trainer:
                 raise FloatingPointError(f"loss is {loss} at step {self.step}")
             if t.eval_interval and self.step % t.eval_interval == 0:
                 row["val_loss"] = self.validation_loss()
+                if self.cfg.eval.train_tasks:
+                    row |= self.suite_scores()
             if self.step % t.log_interval == 0 or "val_loss" in row:
                 self.metrics.log(row)
                 elapsed = time.perf_counter() - self.started

@@ -52,6 +52,15 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
     _check_micro_batches(cfg, check_layout(cfg.parallel, cfg.model.num_layers, t.seq_length,
                                            world_size))
     _check_data(cfg.data)
+    if cfg.eval.train_tasks:
+        check_suite_settings(cfg.eval)
+        p = cfg.parallel
+        if p.tp != 1 or p.pp != 1 or p.cp != 1 or not t.eval_interval:
+            raise UserError(f"eval.train_tasks runs the RULER suite at each eval_interval on "
+                            f"the engine, which decodes whole models: it needs parallel.tp=1, "
+                            f"pp=1, cp=1 (data parallelism is fine) and trainer.eval_interval > 0"
+                            f" (got tp={p.tp}, pp={p.pp}, cp={p.cp}, eval_interval="
+                            f"{t.eval_interval})")
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
     check_kernel(cfg.attention.kernel, cuda=device.type == "cuda", head_dim=head_dim_of(cfg.model))
@@ -275,6 +284,36 @@ def _check_eval_counts(e: DictConfig) -> None:
     if e.multikey_trials > 0 and not 1 <= e.multikey_keys <= len(NAMES):
         raise UserError(f"eval.multikey_keys={e.multikey_keys} must be in [1, {len(NAMES)}] "
                         "(needles per prompt), or set eval.multikey_trials=0")
+    check_suite_settings(e)
+
+
+def check_suite_settings(e: DictConfig) -> None:
+    """The RULER suite's settings (names, counts, format, threshold, QA file), before any
+    checkpoint or model is read; the lengths are checked against each task's prompt once the
+    tokenizer is known (trainer/evals/ruler_run.py)."""
+    from trainer.evals.ruler.scoring import check_threshold
+    from trainer.evals.ruler.suite import select_tasks
+
+    if e.suite not in ("passkey", "ruler"):
+        raise UserError(f"eval.suite={e.suite!r}: choose passkey (passkey, multi-key, "
+                        "perplexity) or ruler (the RULER-style suite)")
+    if e.template not in ("base", "chat", "auto"):
+        raise UserError(f"eval.template={e.template!r}: choose base, chat or auto (chat when "
+                        "the tokenizer has a chat template)")
+    _at_least(e, "samples", 1, "(samples per task and length)", prefix="eval")
+    _at_least(e, "train_samples", 1, "(samples per task and length during training)",
+              prefix="eval")
+    check_threshold(e.threshold)
+    if e.qa_file is not None and not Path(e.qa_file).is_file():
+        raise UserError(f"eval.qa_file={e.qa_file}: no such file (a SQuAD- or HotpotQA-format "
+                        "JSON file)")
+    if e.suite == "ruler":
+        select_tasks(list(e.tasks) if e.tasks else None, e.qa_file)
+    if e.train_tasks:
+        select_tasks(list(e.train_tasks), e.qa_file)
+    for key in ("train_lengths",):
+        if e[key] is not None and (not e[key] or min(e[key]) < 1):
+            raise UserError(f"eval.{key}={list(e[key])}: give positive context lengths")
 
 
 def _within(node: DictConfig, key: str, low: float, high: float = math.inf, *, why: str = "",

@@ -42,7 +42,7 @@ def test_cached_greedy_decoding_is_recomputation(checkpoint, name: str) -> None:
             "stop_at_eod=false", "trainer.device=cpu"]
     shown: list[str] = []
     cached = generate(config(args), emit=shown.append)
-    assert len(cached) == 64 and len(PROMPT) + 64 > 4 * CHUNK
+    assert len(cached[0]) == 64 and len(PROMPT) + 64 > 4 * CHUNK
     assert cached == generate(config(args + ["kv_cache=false"]))
     assert len(shown) > 1  # printed as it came, not at the end
 

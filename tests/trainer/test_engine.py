@@ -1,0 +1,134 @@
+"""The decoding engine (trainer/engine) against recomputation: for every attention kind, the
+cached greedy tokens equal a full forward per token (fp32), batched ragged prompts equal one by
+one, a prompt prefilled in pieces equals one prefilled whole, the cache at its bucket edges, and
+seeded sampling."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from models.gpt import build_model
+from models.schema import AttentionConfig, ParallelConfig
+from tests.ckpt.longctx_models import CHUNK, MODEL, VARIANTS, VOCAB
+from trainer.engine import DecodeEngine, EngineOptions, Sampling
+from trainer.engine.engine import LENGTH_MULTIPLE
+
+KINDS = {**{name: v for name, v in VARIANTS.items()},
+         "standard": (MODEL, AttentionConfig()),
+         # a local window of 1: the chunk length C - w is odd, positions wrap at odd offsets
+         "dca-odd": (MODEL, AttentionConfig(kind="dca", dca_chunk_size=CHUNK, dca_local_size=1))}
+
+
+def model_of(name: str, seed: int = 0) -> torch.nn.Module:
+    model, attention = KINDS[name]
+    torch.manual_seed(seed)
+    built = build_model(model, attention, ParallelConfig(), vocab_size=VOCAB,
+                        max_sequence_length=16 * CHUNK)
+    return built.gpt.eval()
+
+
+def recomputed(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding by a forward of the whole sequence per token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = torch.tensor([seq])
+            logits = model(tokens, torch.arange(len(seq))[None], None)[0, -1, :VOCAB]
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def prompts(n: int, seed: int = 1, lengths: tuple[int, ...] = ()) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = lengths or tuple(int(x) for x in torch.randint(3, 5 * CHUNK, (n,), generator=g))
+    return [torch.randint(0, VOCAB, (s,), generator=g).tolist() for s in sizes]
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_cached_greedy_equals_recomputation_for_ragged_batches(single_process, name: str) -> None:
+    model = model_of(name)
+    batch = prompts(5, lengths=(1, CHUNK - 1, CHUNK, 2 * CHUNK + 3, 3 * CHUNK + 7))
+    steps = 2 * CHUNK + 2  # every row crosses at least two chunk boundaries while decoding
+    engine = DecodeEngine(model, VOCAB, EngineOptions(max_batch=4))
+    together = engine.generate(batch, steps)
+    for prompt, tokens in zip(batch, together):
+        assert tokens == recomputed(model, prompt, steps)
+    alone = [DecodeEngine(model, VOCAB, EngineOptions(max_batch=1)).generate([p], steps)[0]
+             for p in batch]
+    assert alone == together
+
+
+@pytest.mark.parametrize("name", ["dca-yarn-gated", "chunked-llama3", "standard"])
+def test_a_prompt_prefilled_in_pieces_equals_one_prefilled_whole(single_process,
+                                                                 name: str) -> None:
+    model = model_of(name)
+    batch = prompts(3, lengths=(5 * CHUNK + 3, 2 * CHUNK, 7))
+    whole = DecodeEngine(model, VOCAB).generate(batch, 9)
+    for piece in (CHUNK - 3, CHUNK, 2 * CHUNK + 1):
+        pieces = DecodeEngine(model, VOCAB, EngineOptions(prefill_tokens=piece))
+        assert pieces.generate(batch, 9) == whole
+
+
+def test_logits_of_the_engine_equal_the_full_forward(single_process) -> None:
+    """Not only the argmax: the prefill's and each step's logits (fp32, 1e-5)."""
+    model = model_of("dca-qwen2")
+    prompt = prompts(1, lengths=(3 * CHUNK + 1,))[0]
+    seen = []
+    engine = DecodeEngine(model, VOCAB)
+    original = engine._logits
+
+    def record(tokens):
+        out = original(tokens)
+        seen.append(out.clone())
+        return out
+
+    engine._logits = record
+    tokens = engine.generate([prompt], 6)[0]
+    seq = prompt + tokens
+    with torch.no_grad():
+        full = model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0, :, :VOCAB]
+    for j, logits in enumerate(seen):
+        torch.testing.assert_close(logits[0], full[len(prompt) - 1 + j], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cache_at_its_bucket_edges(single_process) -> None:
+    """Prompt + new tokens exactly filling a cache bucket, and one more (a bigger bucket)."""
+    model = model_of("dca-qwen2")
+    engine = DecodeEngine(model, VOCAB)
+    edge = prompts(1, lengths=(LENGTH_MULTIPLE - 4,))[0]
+    assert engine.generate([edge], 4)[0] == recomputed(model, edge, 4)
+    assert engine.cache.length == LENGTH_MULTIPLE
+    assert engine.generate([edge], 5)[0][:4] == recomputed(model, edge, 4)
+    assert engine.cache.length == 2 * LENGTH_MULTIPLE
+
+
+def test_stop_tokens_and_budgets_per_prompt(single_process) -> None:
+    model = model_of("standard")
+    batch = prompts(3)
+    free = DecodeEngine(model, VOCAB).generate(batch, 12)
+    stop = free[1][4]
+    out = DecodeEngine(model, VOCAB).generate(batch, [12, 12, 3], stop_tokens=[stop])
+    assert out[1] == free[1][:free[1].index(stop) + 1]  # the stop token ends it, included
+    assert out[2] == free[2][:3] or stop in out[2]
+
+
+def test_sampling_is_seeded_per_prompt(single_process) -> None:
+    model = model_of("dca-yarn-gated")
+    batch = prompts(4)
+    hot = Sampling(temperature=1.5, top_p=0.9, seed=3)
+    first = DecodeEngine(model, VOCAB, EngineOptions(max_batch=4)).generate(batch, 20, hot)
+    again = DecodeEngine(model, VOCAB, EngineOptions(max_batch=2)).generate(batch, 20, hot)
+    assert first == again  # the same per prompt whatever the batch
+    other = DecodeEngine(model, VOCAB).generate(batch, 20, replace(hot, seed=4))
+    assert other != first
+    assert first != DecodeEngine(model, VOCAB).generate(batch, 20)  # not greedy
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=float("nan")),
+                                 dict(top_p=0.0), dict(top_p=1.5)])
+def test_sampling_settings_are_checked(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        Sampling(**bad)
