@@ -5,7 +5,11 @@ Per layer, by the config's "longctx" settings: Dual Chunk Attention (keys cached
 in-chunk offset; each new query rotated three ways), chunked attention (Llama 4: a query sees its
 own chunk; every `global_layer_interval`-th layer global and without RoPE) or standard causal
 attention; optionally a sigmoid gate per head on the attention output (`gate_proj`). Batches
-must be unpadded (every row of `attention_mask` all ones).
+must be unpadded (every row of `attention_mask` all ones): the layers ignore the mask and compute
+their own. The cache may be dynamic or static (`generate(..., cache_implementation="static")`,
+which transformers compiles on CUDA): positions come from the cache's length (a tensor for a
+static cache, so a compiled decoding step has no host sync), and a static cache's whole buffer
+is attended with later positions masked (longctx_attention.py).
 """
 
 import torch
@@ -70,22 +74,32 @@ class LongCtxAttention(LlamaAttention):
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [b, hq, s, d]
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [b, hk, s, d]
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        # the tokens' positions: a dynamic cache's length is an int, a static cache's a tensor
+        # (read without a host sync); older transformers pass `cache_position`
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        pos = kwargs.get("cache_position")
+        if pos is None:
+            pos = torch.arange(s, device=q.device) + past
         if self.kind == "dca":
             chunk, local = self.settings["dca_chunk_size"], self.settings["dca_local_size"]
             cos, sin = self._dca_tables(q.device)
-            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-            r, _, _ = dca_positions(torch.arange(past, past + s, device=q.device), chunk, local)
+            r, _, _ = dca_positions(pos, chunk, local)
             k = rotate(k, cos[r], sin[r])
         elif self.kind != "global":
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        # a dynamic cache returns exactly the keys so far (the queries are the last s); a
+        # static one its whole preallocated buffer, masked by the queries' positions
+        exact = (kwargs.get("cache_position") is None and isinstance(past, int)
+                 and k.shape[2] == past + s)
+        positions = None if exact else pos
         if self.kind == "dca":
             out = dca_attention(q, k, v, chunk_size=chunk, local_size=local, cos=cos, sin=sin,
-                                scale=self.scaling)
+                                scale=self.scaling, positions=positions)
         else:
             out = causal_attention(q, k, v, scale=self.scaling, chunk_size=self.settings.get(
-                "chunk_size") if self.kind == "chunked" else None)
+                "chunk_size") if self.kind == "chunked" else None, positions=positions)
         out = out.transpose(1, 2)  # [b, s, hq, d]
         if self.gate_proj is not None:
             gate = torch.sigmoid(self.gate_proj(hidden_states).float())  # [b, s, hq]

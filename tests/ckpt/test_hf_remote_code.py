@@ -1,6 +1,8 @@
 """Exports that run as trained: DCA, chunked and head-gated models in transformers (remote code)
-against the trainer's own logits, cached generation against recomputation, the export -> import
-round trip, and loading without a warning."""
+against the trainer's own logits (whole sequences and prompts ending around chunk edges), cached
+generation (dynamic and static caches) and a cache filled in pieces against recomputation, the
+export -> import round trip, and loading without a warning. The attention functions themselves:
+test_hf_remote_code_attention.py."""
 
 from __future__ import annotations
 
@@ -14,19 +16,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from ckpt.hf_export import export_hf
 from ckpt.hf_import import import_hf
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from tests.ckpt import hf_models
-from tests.ckpt.longctx_models import SEQ, VARIANTS, VOCAB, trainer_logits, write_variant
+from tests.ckpt.longctx_models import (
+    CHUNK,
+    DCA,
+    SEQ,
+    VARIANTS,
+    VOCAB,
+    trainer_logits,
+    write_variant,
+)
 from tests.ckpt.test_hf_export import tensors
 
 hf_imported = hf_models.hf_imported  # the shared fixture
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
 _EXPORTED: dict[str, tuple[Path, Path]] = {}
+_TRAINER: dict[str, torch.Tensor] = {}
+L = DCA.dca_chunk_size - DCA.dca_local_size  # DCA's chunk length (12); chunked layers' is CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +60,19 @@ def load(directory: Path) -> torch.nn.Module:
                                                 dtype=torch.float32).eval()
 
 
+def trainer(root: Path, name: str) -> torch.Tensor:
+    """The trainer's logits of TOKENS for VARIANTS[name], computed once."""
+    if name not in _TRAINER:
+        _TRAINER[name] = trainer_logits(root, TOKENS)
+    return _TRAINER[name]
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_exported_model_computes_the_trainers_logits(exported, name: str) -> None:
+    """64 tokens: several chunks, the last one partial for DCA (L = 12), GQA (4:2 heads), the
+    chunked model's second layer global and without RoPE."""
     root, hf = exported(name)
-    ours = trainer_logits(root, TOKENS)
+    ours = trainer(root, name)
     with torch.no_grad():
         theirs = load(hf)(TOKENS).logits
     diff = (ours - theirs).abs().max().item()
@@ -60,6 +81,23 @@ def test_exported_model_computes_the_trainers_logits(exported, name: str) -> Non
     if attention.kind != "standard":  # the test can fail: standard attention is far off
         standard = trainer_logits(root, TOKENS, replace(attention, kind="standard"))
         assert (standard - theirs).abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize(("name", "lengths"), [
+    ("dca-qwen2", [L - 1, L, L + 1, 2 * L + 1, 3 * L - 1]),
+    ("dca-yarn-gated", [L - 1, L, L + 1, 2 * L, 4 * L + 1]),
+    ("chunked-llama3", [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK - 1]),
+])
+def test_prompts_ending_around_chunk_edges_compute_the_trainers_logits(
+        exported, name: str, lengths: list[int]) -> None:
+    """Causal models: a prompt's logits are the first rows of the whole sequence's."""
+    root, hf = exported(name)
+    ours, model = trainer(root, name), load(hf)
+    for n in lengths:
+        with torch.no_grad():
+            theirs = model(TOKENS[:, :n]).logits
+        diff = (ours[:, :n] - theirs).abs().max().item()
+        assert diff <= 1e-4, (n, diff)
 
 
 def _recomputed_greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
@@ -72,16 +110,43 @@ def _recomputed_greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int)
     return seq[:, prompt.shape[1]:]
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_generate_with_the_cache_is_greedy_recomputation(exported, name: str) -> None:
-    """64 new tokens after a 20-token prompt cross four chunk boundaries (16, 32, ...)."""
+def test_generate_with_the_cache_is_greedy_recomputation(exported, name: str,
+                                                         cache: str) -> None:
+    """64 new tokens after a 20-token prompt (prefilled in one call, then token by token) cross
+    four chunk boundaries (16, 32, ...); a static cache is transformers' preallocated one."""
     model = load(exported(name)[1])
     prompt = TOKENS[:1, :20]
+    static = {"cache_implementation": "static"} if cache == "static" else {}
     with torch.no_grad():
         cached = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                                attention_mask=torch.ones_like(prompt))[:, 20:]
+                                attention_mask=torch.ones_like(prompt), **static)[:, 20:]
     assert cached.shape[1] == 64
     assert torch.equal(cached, _recomputed_greedy(model, prompt, 64))
+
+
+# a prompt in one call, single tokens across an edge (12, 16), new tokens in calls of several
+# (starting inside a chunk, against the cache), single tokens again: 64 tokens in all
+PIECES = [11, 1, 1, 1, 1, 18, 1, 1, 1, 1, 25, 1, 1]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_cache_filled_in_pieces_gives_the_logits_of_one_forward(exported, name: str,
+                                                                  cache: str) -> None:
+    model = load(exported(name)[1])
+    kv = (DynamicCache(config=model.config) if cache == "dynamic"
+          else StaticCache(config=model.config, max_cache_len=SEQ + 16))
+    logits, start = [], 0
+    with torch.no_grad():
+        for n in PIECES:
+            logits.append(model(TOKENS[:, start:start + n], cache=kv, use_cache=True).logits)
+            start += n
+        whole = model(TOKENS, use_cache=False).logits
+    assert start == SEQ
+    diff = (torch.cat(logits, dim=1) - whole).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 @pytest.mark.parametrize("name", ["dca-qwen2", "dca-yarn-gated", "chunked-llama3"])

@@ -113,7 +113,9 @@ def test_dca_matches_the_export_at_chunk_boundaries(hq: int, hk: int, local_size
     out = decode_attention(q, *_poisoned(k, v, lens), lens, scale=SCALE, kind="dca", **kw)
     torch.testing.assert_close(out, _dca_oracle(q, k, v, lens, c, local_size, cos, sin),
                                rtol=0, atol=1e-10)
-    torch.testing.assert_close(out, _expected("dca", q, k, v, lens, **kw), rtol=0, atol=1e-10)
+    # the export's DCA has rounded its scores and softmax to float32 (float64 inputs too): the
+    # float64 check is the oracle's above
+    torch.testing.assert_close(out, _expected("dca", q, k, v, lens, **kw), rtol=0, atol=1e-6)
 
 
 def test_dca_within_one_chunk_is_causal_rope_attention() -> None:

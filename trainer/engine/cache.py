@@ -80,8 +80,10 @@ class LayerCache:
         # megatron's rotary rows for every cached position [length, 1, 1, d] (made once, before
         # any graph capture: its forward is cached per length)
         self.rotary_table = self.rotary(length)
-        # a decode step's inputs: the new token's position per row, and its rotary rows
+        # a decode step's input: the new token's position per row; and the row indices its
+        # writes use. Both live as long as the cache: a captured graph reads their memory.
         self.pos = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.rows = torch.arange(batch, device=self.device)
 
     @staticmethod
     def nbytes(num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
@@ -134,7 +136,7 @@ class LayerCache:
 
     def _step_forward(self, i: int):
         core = self.cores[i]
-        rows = torch.arange(self.batch, device=self.device)
+        rows = self.rows
         if i in self.tables:
             kind = "dca"
         elif isinstance(core, ChunkedCoreAttention):

@@ -1,0 +1,47 @@
+"""bench/quality.py end to end on the CPU at toy scale: a tiny Hugging Face model imported,
+the training-free methods and a DCA fine-tune scored by the RULER-style suite, the results file,
+table and plot written (GPU, real model: docs/experiments.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench import quality
+from tests.ckpt.hf_models import save_tokenizer
+
+T = 512
+
+
+@pytest.mark.slow  # ~1 minute: CI runs it, the quick lane leaves it
+def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+        tie_word_embeddings=True)).save_pretrained(work / "hf")
+    save_tokenizer(work / "hf")
+    common = ["--work", str(work), "--out", str(out), "--cpu", "--tasks", "niah_single_1",
+              "--samples", "1", "--samples-main", "2", "--batch-size", "2"]
+    quality.main(["prepare"] + common)
+    assert (work / "ckpt").is_dir()
+    quality.main(["training-free"] + common + ["--plan", "dca,standard,yarn,dca_c=T"])
+    quality.main(["finetune"] + common + ["--ft-steps", "2", "--ft-batch", "1"])
+    rows = json.loads((out / "quality.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["dca", "standard", "yarn", "dca_c=T",
+                                           "dca_finetuned"]
+    assert rows[0]["attention"]["dca_chunk_size"] == 3 * T // 4  # the default split
+    assert rows[0]["attention"]["dca_local_size"] == T // 16
+    assert rows[3]["attention"]["dca_chunk_size"] == T
+    assert rows[2]["rope"]["rope_scaling_type"] == "yarn"
+    assert all(list(r["ruler"]["averages"]) == [str(T), str(2 * T), str(4 * T)] for r in rows)
+    assert rows[0]["samples"] == 2 and rows[1]["samples"] == 1
+    table = (out / "quality.md").read_text()
+    assert table.count("\n") == 2 + len(rows) and "dca_finetuned" in table
+    assert (out / "quality.png").stat().st_size > 0
+    assert quality.report(out / "quality.json") == table
