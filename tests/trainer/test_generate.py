@@ -75,3 +75,46 @@ def test_the_command_prints_text_and_refuses_a_prompt_too_long(checkpoint, tmp_p
         "error: the prompt (100 tokens) plus max_new_tokens (29) is 129 tokens; this chunked-"
         "attention model attends 128: shorten the prompt or lower max_new_tokens (or run it "
         "with +attention=dca)"]
+
+
+def test_many_prompts_decode_in_batches_as_each_alone(checkpoint, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"The grass"\n{"prompt": "def main("}\n\n"x"\n')
+    args = [f"checkpoint.load={checkpoint('dca-qwen2')}", "max_new_tokens=20",
+            "stop_at_eod=false", "trainer.device=cpu"]
+    together = generate(config(args + [f"prompts_file={prompts}", "batch_size=2"]))
+    alone = [generate(config(args + [f"prompt={p!r}"]))[0] for p in ("The grass", "def main(", "x")]
+    assert together == alone
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["top_p=0"], "top_p"), (["top_p=1.5"], "top_p"), (["temperature=-1"], "temperature"),
+    (["temperature=nan"], "temperature"), (["batch_size=0"], "batch_size"),
+    (["decode.max_cache_gb=0.000001"], "KV cache .* needs .* decode.max_cache_gb"),
+    (["decode.max_cache_gb=-1"], "positive size"),
+    (["+attention=dca", "attention.dca_scaling=log"], "dca_scaling=log .* kv_cache=false"),
+])
+def test_bad_settings_are_one_error_before_the_model(checkpoint, extra: list[str],
+                                                     message: str) -> None:
+    from trainer.errors import UserError
+
+    args = [f"checkpoint.load={checkpoint('dca-qwen2')}", "prompt=Hello", "trainer.device=cpu"]
+    with pytest.raises(UserError, match=message):
+        generate(config(args + extra))
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00binary", None, "dir"])
+def test_unreadable_prompt_files_are_refused(checkpoint, tmp_path: Path, content) -> None:
+    from trainer.errors import UserError
+
+    path = tmp_path / "p"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    args = [f"checkpoint.load={checkpoint('dca-qwen2')}", f"prompt_file={path}",
+            "trainer.device=cpu"]
+    with pytest.raises(UserError, match="prompt_file"):
+        generate(config(args))
+    with pytest.raises(UserError, match="not a regular file"):
+        generate(config(args[:1] + ["prompt_file=/dev/zero", "trainer.device=cpu"]))

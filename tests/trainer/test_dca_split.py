@@ -1,0 +1,129 @@
+"""DCA applied to a model that exists: unset sizes take the trained ones (a DCA-trained
+checkpoint) or ChunkLlama's split of the model's length (3T/4, T/16), in trainer.eval and in a
+fine-tune; eval.json records the values used; bench/compare_eval.py reads RULER results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from models.schema import dca_pretrained_split
+from tests.ckpt.longctx_models import write_variant
+from tests.conftest import compose_config
+from trainer.defaults import adopt_dca_split, set_sizes
+from trainer.evals import ruler_run
+
+
+def test_the_pretrained_split_is_chunkllamas() -> None:
+    assert dca_pretrained_split(8192) == (6144, 512)
+    assert dca_pretrained_split(4096) == (3072, 256)
+    assert dca_pretrained_split(2) == (2, 1)  # never a chunk under 2 or a window under 1
+
+
+@pytest.mark.parametrize(("typed", "trained", "expected"), [
+    ({}, ("standard", (0, 0)), (768, 64)),                  # the split of T = 1024
+    ({}, ("dca", (256, 32)), (256, 32)),                   # as trained
+    ({"dca_chunk_size": 512}, ("standard", (0, 0)), (512, 64)),
+    ({"dca_chunk_size": 48}, ("standard", (0, 0)), (48, 4)),  # the split's 64 >= 48: 48 // 12
+    ({"dca_local_size": 8}, ("standard", (0, 0)), (768, 8)),
+])
+def test_unset_sizes_are_filled(typed: dict, trained: tuple, expected: tuple) -> None:
+    attention = OmegaConf.create({"kind": "dca", "dca_chunk_size": 999, "dca_local_size": 99}
+                                 | typed)
+    note = adopt_dca_split(attention, trained[0], trained[1], 1024, set(typed))
+    assert (attention.dca_chunk_size, attention.dca_local_size) == expected and note
+
+
+def test_typed_sizes_and_other_kinds_are_left_alone() -> None:
+    both = OmegaConf.create({"kind": "dca", "dca_chunk_size": 100, "dca_local_size": 10})
+    assert adopt_dca_split(both, "standard", (0, 0), 1024, set_sizes(both)) is None
+    assert (both.dca_chunk_size, both.dca_local_size) == (100, 10)
+    chunked = OmegaConf.create({"kind": "chunked", "dca_chunk_size": 100, "dca_local_size": 10})
+    assert adopt_dca_split(chunked, "standard", (0, 0), 1024, set()) is None
+
+
+def test_the_yaml_defaults_count_as_unset() -> None:
+    cfg = compose_config(["+attention=dca"])
+    assert set_sizes(cfg.attention) == set()
+    cfg = compose_config(["+attention=dca", "attention.dca_chunk_size=64"])
+    assert set_sizes(cfg.attention) == {"dca_chunk_size"}
+
+
+class _NoSweep:
+    mode = None
+
+
+def oracle(model, tokenizer, samples, options, progress=True):
+    return [""] * len(samples)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("split")
+    return {"standard": write_variant(root / "standard", "gated-qwen2", seq_length=1024,
+                                      head_wise_attn_gate=False),
+            "dca": write_variant(root / "dca", "dca-qwen2", seq_length=1024)}
+
+
+@pytest.mark.parametrize(("name", "extra", "expected"), [
+    ("standard", ["+attention=dca"], ("dca", 768, 64)),     # the split of its length
+    ("dca", [], ("dca", 16, 4)),                           # its own attention, as trained
+    ("dca", ["+attention=dca"], ("dca", 16, 4)),           # DCA chosen, sizes as trained
+    ("standard", [], ("standard", None, None)),
+    ("standard", ["+attention=dca", "attention.dca_chunk_size=512",
+                  "attention.dca_local_size=16"], ("dca", 512, 16)),
+])
+def test_eval_runs_the_attention_the_model_implies(checkpoints, tmp_path: Path, monkeypatch,
+                                                   name: str, extra: list[str],
+                                                   expected: tuple) -> None:
+    from trainer import eval as eval_entry
+
+    monkeypatch.setattr(eval_entry.HydraConfig, "get", staticmethod(lambda: _NoSweep()))
+    monkeypatch.setattr(ruler_run, "decode", oracle)
+    cfg = compose_config(extra + [f"checkpoint.load={checkpoints[name]}", "eval.suite=ruler",
+                                  "eval.tasks=[niah_single_1]", "eval.lengths=[1024]",
+                                  "eval.samples=1", "logger=none", "trainer.device=cpu"])
+    results = eval_entry.evaluate(cfg, tmp_path)
+    attention = results["attention"]
+    kind, chunk, local = expected
+    assert attention["kind"] == kind
+    if chunk is not None:
+        assert (attention["dca_chunk_size"], attention["dca_local_size"]) == (chunk, local)
+    assert "${" not in json.dumps(attention)  # resolved values, not interpolations
+
+
+@pytest.mark.slow
+def test_a_fine_tune_of_a_model_trained_without_dca_takes_the_split(checkpoints,
+                                                                  tmp_path: Path) -> None:
+    from tests.conftest import FAST, train_on_ranks
+
+    train_on_ranks(FAST + [f"checkpoint.load={checkpoints['standard']}", "+attention=dca",
+                           "trainer.max_steps=1", "trainer.warmup_steps=0",
+                           "trainer.seq_length=128"], tmp_path / "ft")
+    saved = (tmp_path / "ft" / "checkpoints" / "iter_0000001").is_dir()
+    assert saved
+    from ckpt.reader import Checkpoint
+
+    meta = Checkpoint(tmp_path / "ft" / "checkpoints" / "iter_0000001").meta
+    assert (meta.attention.dca_chunk_size, meta.attention.dca_local_size) == (768, 64)
+
+
+def test_compare_eval_tabulates_ruler_runs(tmp_path: Path) -> None:
+    for label, scores in (("dca", {"1024": 50.0, "2048": 40.0}), ("standard", {"1024": 45.0})):
+        (tmp_path / f"{label}.json").write_text(json.dumps({
+            "suite": "ruler", "label": label,
+            "ruler": {"averages": scores, "effective_length": None, "threshold": 85.6,
+                      "scores": []}}))
+    done = subprocess.run([sys.executable, "bench/compare_eval.py", str(tmp_path / "dca.json"),
+                           str(tmp_path / "standard.json"), "--out", str(tmp_path / "c.png")],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert "| dca | 50.0 | 40.0 | - |" in done.stdout
+    assert "| standard | 45.0 |  | - |" in done.stdout
+    assert (tmp_path / "c.png").stat().st_size > 0
