@@ -1,5 +1,5 @@
 #!/bin/bash
-# Context-parallel scaling (issue 9): gpt_1p3b with DCA, CP=2 over two GPUs against CP=1 on one,
+# Context-parallel scaling: gpt_1p3b with DCA, CP=2 over two GPUs against CP=1 on one,
 # bf16, full recompute keeping attention outputs. One torchrun per case (a process group per
 # run); every case writes OUT/cp<N>_<seq>.json and its log to OUT/cp<N>_<seq>.log.
 #   OUT=results bash bench/cp_scaling.sh "2 1" 131072 262144

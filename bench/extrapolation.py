@@ -1,4 +1,4 @@
-"""Which method runs a model at N times its trained length? (issue 17 items 4-5)
+"""Which method runs a model at N times its trained length?
 
 One command trains a BPE tokenizer on the training corpus, trains a model at T for a wall-time
 budget, evaluates the checkpoint with every training-free method at T..16T with
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dca-finetune-steps", type=int, default=0)
     p.add_argument("--parallel-evals", type=int, default=1,
                    help="evaluations (and the DCA fine-tune) run side by side on the one GPU: "
-                   "their start-up and decoding overlap (docs/experiments.md, fourth H100 run)")
+                   "their start-up and decoding overlap (docs/experiments.md)")
     p.add_argument("--group", default=f"extrapolation-{time.strftime('%Y%m%d-%H%M%S')}",
                    help="wandb group")
     p.add_argument("--no-wandb", action="store_true")
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         count_epochs(corpus, tokenizer, args.seq, steps * args.batch,
                      args.passkey_fraction + args.multikey_fraction)
     methods = evaluations(args)
-    # The first model, unless the run only asks for the iRoPE one (its own session's worth)
+    # The first model, unless the run only asks for the iRoPE one (a training of its own)
     ckpt = train(base + train_overrides(args, steps), args.work / "train") \
         if methods or args.dca_finetune_steps else None
     meta = {"model": args.model, "seq_length": args.seq, "steps": steps, "batch": args.batch,

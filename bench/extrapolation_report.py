@@ -17,49 +17,54 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def summarize(method: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+from trainer.evals.measures import AttentionPoint  # noqa: E402
+from trainer.evals.results import EvalResults  # noqa: E402
+
+
+def summarize(method: str, result: EvalResults) -> list[dict[str, Any]]:
     """One row per length of one eval.json: passkey and multi-key accuracy over all depths,
     perplexity, and perplexity at positions >= the trained length (None when none are)."""
-    trained = result["trained_length"]
-    probed = {a["length"]: a for a in result.get("attention_by_distance", [])}
+    trained = result.trained_length
+    probed = {a.length: a for a in result.attention_by_distance}
     rows = []
-    for point in result["perplexity"]:
-        n = point["length"]
-        passkey = [c for c in result["passkey"] if c["length"] == n]
-        multikey = [c for c in result["multikey"] if c["length"] == n]
-        beyond = [b for b in point["buckets"] if b["start"] >= trained and b["tokens"] > 0]
-        tokens = sum(b["tokens"] for b in beyond)
+    for point in result.perplexity:
+        n = point.length
+        passkey = [c for c in result.passkey if c.length == n]
+        multikey = [c for c in result.multikey if c.length == n]
+        beyond = [b for b in point.buckets if b.start >= trained and b.tokens > 0]
+        tokens = sum(b.tokens for b in beyond)
         rows.append({
-            "method": method, "label": result["label"], "length": n,
+            "method": method, "label": result.label, "length": n,
             "multiple": n / trained,
-            "passkey": _share(passkey, "correct", "trials"),
-            "passkey_trials": sum(c["trials"] for c in passkey),
-            "multikey": _share(multikey, "correct", "trials"),
-            "multikey_distractor": _share(multikey, "distractor", "trials"),
-            "multikey_trials": sum(c["trials"] for c in multikey),
-            "ppl": point["perplexity"],
-            "ppl_beyond_T": math.exp(sum(b["nll"] * b["tokens"] for b in beyond) / tokens)
+            "passkey": _share(passkey, "correct"),
+            "passkey_trials": sum(c.trials for c in passkey),
+            "multikey": _share(multikey, "correct"),
+            "multikey_distractor": _share(multikey, "distractor"),
+            "multikey_trials": sum(c.trials for c in multikey),
+            "ppl": point.perplexity,
+            "ppl_beyond_T": math.exp(sum(b.nll * b.tokens for b in beyond) / tokens)
             if tokens else None,
             **_attention(probed.get(n), trained),
         })
     return rows
 
 
-def _attention(point: dict[str, Any] | None, trained: int) -> dict[str, float | None]:
+def _attention(point: AttentionPoint | None, trained: int) -> dict[str, float | None]:
     """Mean over layers of the probed queries' attention entropy and of their probability mass
     on keys at distance >= T (None: not probed)."""
     if point is None:
         return {"attention_entropy": None, "attention_beyond_T": None}
-    far = [i for i, e in enumerate(point["edges"]) if e >= trained]
-    layers = len(point["entropy"])
-    return {"attention_entropy": sum(point["entropy"]) / layers,
-            "attention_beyond_T": sum(sum(m[i] for i in far) for m in point["mass"]) / layers}
+    far = [i for i, e in enumerate(point.edges) if e >= trained]
+    layers = len(point.entropy)
+    return {"attention_entropy": sum(point.entropy) / layers,
+            "attention_beyond_T": sum(sum(m[i] for i in far) for m in point.mass) / layers}
 
 
-def _share(cells: list[dict[str, Any]], key: str, total: str) -> float | None:
-    n = sum(c[total] for c in cells)
-    return sum(c[key] for c in cells) / n if n else None
+def _share(cells: list, key: str) -> float | None:
+    n = sum(c.trials for c in cells)
+    return sum(getattr(c, key) for c in cells) / n if n else None
 
 
 def collect(runs: dict[str, list[Path]]) -> list[dict[str, Any]]:
@@ -67,7 +72,7 @@ def collect(runs: dict[str, list[Path]]) -> list[dict[str, Any]]:
     rows = []
     for method, paths in runs.items():
         for path in paths:
-            rows += summarize(method, json.loads(Path(path).read_text()))
+            rows += summarize(method, EvalResults.read(path))
     order = list(runs)
     return sorted(rows, key=lambda r: (order.index(r["method"]), r["length"]))
 

@@ -1,5 +1,5 @@
-"""Issue 32's goals checked against measured rows: one table with each goal, its figure and
-whether it holds.
+"""Targets for DCA on FlashAttention-4 checked against measured rows: one table with each
+target, its figure and whether it holds.
 
     python bench/fa4_goals.py --long long.json --small b8k.json --train train.json [...]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32's measurements on one H100 (FlashAttention-4 installed; see README "Long sequences"),
+# DCA on FlashAttention-4, measured on one H100 (FA4 installed; see README "Long sequences"),
 # one process per table, logs and JSON under $OUT:
 #   tests   the FA4 GPU tests (tests/gpu/test_fa4_gpu.py) and the cuDNN DCA test beside them
 #   attn    bench.attention at 32K/128K (16/16, 16/4 heads): cuDNN causal, FA4 causal, DCA on
@@ -11,12 +11,9 @@
 #           groups of heads or pieces of rows, dQ rotated back in one pass) against one_piece and
 #           the part calls: 8K C = 2048 back to back; 32K and 128K with a profile of auto at
 #           32K and every variant's ratio to FA4 causal in alternating pairs (--paired)
-#   goals   gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K, then issue 32's goals
+#   goals   gpt_1p3b standard and DCA (auto, one_piece) at 32K / 128K, then the targets
 #           judged by bench/fa4_goals.py (goals.md) off that and `inplace`'s files (the two
 #           stages take ~5 and ~7 minutes on the H100: one device call each)
-#   (The stages `onecall`, `kernel` and `forward` of earlier sessions compared settings the
-#   in-place backward replaced (MAX_TOKENS, dca_backward=kernel); their figures in
-#   docs/benchmarks.md name their commits.)
 #   train   gpt_1p3b standard / DCA, cuDNN and FA4 kernels, 32K (fused norm + RoPE) and 128K
 #           (full recompute)
 #   firstuse what a run pays for the JIT compiles: gpt_1p3b at 32K, one process per run, with

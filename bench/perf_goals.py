@@ -1,5 +1,5 @@
-"""Issue 18's goals checked against measured rows: one table with each goal, its figure and
-whether it holds.
+"""Single-GPU targets for DCA on cuDNN checked against measured rows: one table with each
+target, its figure and whether it holds.
 
     python bench/perf_goals.py --attention attention.json [attention_b2b.json] --train train.json
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's single-GPU goals in one device call (~6 minutes on an H100): the attention kernel
+# The single-GPU targets of bench/perf_goals.py in one device call (~6 minutes on an H100): the attention kernel
 # benchmark (DCA vs cuDNN causal at 8K/32K/128K, MHA and GQA; 8K again with 20 calls queued back
 # to back, as inside a model, where host time hides behind the kernels; C = 2048 also replayed as
 # CUDA graphs, 8K and 32K, speed only: the graphs' pools are not in its peak), where the peak memory

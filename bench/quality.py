@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("phase", choices=("prepare", "training-free", "finetune", "report"))
     p.add_argument("path", nargs="?", help="report: the quality.json")
     p.add_argument("--gguf", help="prepare: the model's GGUF file")
-    p.add_argument("--work", default="quality_work", help="models, checkpoints, eval runs")
-    p.add_argument("--out", default="quality_out", help="quality.json, .md, .png")
+    p.add_argument("--work", default="outputs/quality/work",
+                   help="models, checkpoints, eval runs")
+    p.add_argument("--out", default="outputs/quality", help="quality.json, .md, .png")
     p.add_argument("--plan", default="dca,standard,yarn,ntk,pi,dca_c=T",
                    help=f"training-free: methods in order, from {','.join(METHODS)}")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default all)")

@@ -3,8 +3,8 @@
     python bench/step_overheads.py --attention standard dca --seq 32768 --rounds 2 --out o.json
 
 Three settings of the same gpt_1p3b run (fused norm and RoPE): megatron's apex-less multi-tensor
-fallbacks with the micro-batches read at each step's start (the state before issue 18's host
-work), `parallel.multi_tensor`'s foreach ops (no host sync per parameter tensor), and those plus
+fallbacks with the micro-batches read at each step's start (megatron's own path without
+apex), `parallel.multi_tensor`'s foreach ops (no host sync per parameter tensor), and those plus
 `data.read_ahead` (the next batches read while the backward is queued). Each round runs every
 setting once; the figure is the median step over all rounds' timed steps, and its ratio to the
 first setting's. Machine-to-machine spread (~1%) is larger than these effects: compare rows of

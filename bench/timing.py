@@ -1,7 +1,7 @@
 """Timing any GPU step (a callable): per-call times between CUDA events, host time, peak
 memory, and alternating pairs of steps (each pair meets the same clocks and power state, which
-drift between runs by more than the ratios the goals ask about), with the experiment scripts'
-helpers around them. bench/attention.py and the scripts under docs/results use them."""
+drift between runs by more than the differences being measured), with the experiment scripts'
+helpers around them. bench/attention.py and bench/dca_cuts.py use them."""
 
 from __future__ import annotations
 

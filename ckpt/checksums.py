@@ -5,6 +5,8 @@ the manifest last, inside `iter_N.tmp/`, before the rename. A load and `python -
 compare the directory with it and name each file that differs, is missing or is extra; this
 catches what the zip CRCs cannot (a `common.pt` rewritten with `torch.save` after a bit flip).
 Checkpoints saved before the manifest existed have none: they load with a one-line warning.
+The manifest covers what a reader reads only when every file lies in the directory: `not_inside`
+says why a name does not (`ckpt.reader` checks every file its index names).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 MANIFEST = "checksums.json"
@@ -86,3 +88,22 @@ def checksum_problems(directory: Path, share: tuple[int, int] = (0, 1)) -> list[
 def missing_manifest_warning(directory: Path) -> str:
     return (f"{directory} has no {MANIFEST} (saved before checksums were recorded): checking "
             "only sizes and CRCs")
+
+
+# Files of a checkpoint that hold no tensor data of its index.
+OWN_FILES = ("metadata.json", ".metadata", "common.pt", MANIFEST)
+
+
+def not_inside(directory: Path, name: str, *, stored: bool) -> str | None:
+    """Why the file `name` of checkpoint `directory` is not one of its own files (None: it is):
+    a path out of the directory (absolute, `..`, a symbolic link that leads out) or, for a file
+    the index stores data in (`stored`), one of the files that hold none."""
+    if not name or PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+        return f"a path outside {directory}"
+    if stored and name in OWN_FILES:
+        return "one of the checkpoint's files that hold no tensor data"
+    path = directory / name
+    if (path.exists() or path.is_symlink()) \
+            and not path.resolve().is_relative_to(directory.resolve()):
+        return f"a link to {path.resolve()}, outside {directory}"
+    return None

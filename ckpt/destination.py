@@ -8,7 +8,10 @@ replaces DST only when everything in it is written (and checked).
   is never replaced.
 - A command killed outright (SIGKILL, a crash) leaves its `.DST.tmp-PID` / `.DST.old-PID`; the
   next command into DST removes them, or moves the old contents back when the kill came between
-  the two renames, and says so.
+  the two renames, and says so; a reader of the missing DST names them (`stranded_note`).
+- Running jobs' locks are honoured (`ckpt.lock`): a DST a job holds, inside one or (replaced)
+  holding one is refused, when the command starts and again just before the commit.
+- A DST that is a symbolic link stands for its target (decided before any work).
 """
 
 from __future__ import annotations
@@ -28,7 +31,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckpt.disk import ran_out_of_space, space_shortfall
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt import lock
+from ckpt.disk import (
+    failure_text,
+    file_size_limit,
+    hit_file_size_limit,
+    ran_out_of_space,
+    space_shortfall,
+)
+from ckpt.inspect import human_bytes
 
 # Destinations this process has completely written (`python -m ckpt` reports them truthfully
 # when a signal arrives after the commit).
@@ -65,8 +78,11 @@ def staged(dst: Path, overwrite: bool, sources: tuple[Path, ...] = (),
            needs_bytes: int = 0) -> Iterator[Path]:
     """Yield a fresh temporary directory beside `dst`; when the block succeeds it becomes `dst`
     (the old `dst`, if any, is removed after), when it fails it is removed and `dst` is left
-    as it was. `needs_bytes`: the output's expected size, checked against the free space."""
+    as it was. `needs_bytes`: the output's expected size, checked against the free space. A
+    `dst` that is a symbolic link stands for its target."""
+    dst = Path(os.path.realpath(dst)) if Path(dst).is_symlink() else Path(dst)
     clean_stale(dst)
+    check_unheld(dst, overwrite)
     check_destination(dst, overwrite, sources)
     if needs_bytes and (short := space_shortfall(dst.parent, needs_bytes)):
         raise DestinationError(f"not enough space for {dst}: {short}; free space or choose "
@@ -76,20 +92,59 @@ def staged(dst: Path, overwrite: bool, sources: tuple[Path, ...] = (),
     tmp.mkdir(parents=True)
     try:
         yield tmp
-    except Exception as e:
-        full = ran_out_of_space(tmp, e)
+    except BaseException as e:
+        problem = _write_problem(tmp, e)
         shutil.rmtree(tmp, ignore_errors=True)
-        if full:
-            raise DestinationError(f"no space left on device (ENOSPC) while writing {dst}: the "
-                                   f"partial output was removed and {dst} is as it was; free "
-                                   f"space and run again ({' '.join(str(e).split())[:200]})"
-                                   ) from e
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if problem:
+            raise DestinationError(f"{problem[0]} while writing {dst}: the partial output was "
+                                   f"removed and {dst} is as it was; {problem[1]} "
+                                   f"({failure_text(e)[:200]})") from e
         raise
     with _signals_held():
+        try:
+            check_unheld(dst, overwrite, meanwhile=True)
+        except DestinationError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _commit(tmp, dst, overwrite)
+
+
+def _write_problem(tmp: Path, e: BaseException) -> tuple[str, str] | None:
+    """What stopped a write that failed with `e` and what to do, if it is the disk or the
+    process's limits."""
+    if not isinstance(e, (Exception, CheckpointException)):  # interrupted, or exiting
+        return None
+    if ran_out_of_space(tmp, e):
+        return "no space left on device (ENOSPC)", "free space and run again"
+    if hit_file_size_limit(e):
+        limit = file_size_limit()
+        shown = "" if limit is None else f" of {human_bytes(limit)}"
+        return (f"a file reached this process's file-size limit{shown} (ulimit -f)",
+                "raise it (ulimit -f unlimited), or for export-hf write smaller shards with "
+                "--max-shard-bytes")
+    return None
+
+
+def check_unheld(dst: Path, overwrite: bool, meanwhile: bool = False) -> None:
+    """Honour the locks of running jobs (`ckpt.lock`): refuse a `dst` that one holds (a run
+    directory or checkpoint.dir), that lies inside one, or that would be replaced while it
+    contains one. `meanwhile`: the check just before the commit."""
+    found = lock.held_within(dst) if overwrite else (
+        (dst.absolute(), who) if (who := lock.holder(dst)) else None)
+    if found:
+        where = "" if found[0] == dst.absolute() else f", inside {dst},"
+        what = f"{found[0]}{where} is in use by {found[1]} (a running job's run directory or " \
+               "checkpoint.dir)"
+    elif above := lock.held_above(dst):
+        what = f"{dst} lies inside {above[0]}, in use by {above[1]} (a running job's " \
+               "directory)"
+    else:
+        return
+    if meanwhile:
+        raise DestinationError(f"{what}: a job took it while this command ran, so this output "
+                               f"was discarded and {dst} is as it was; choose another DST, or "
+                               "wait for that job to end and run again")
+    raise DestinationError(f"{what}: choose another DST, or wait for that job to end")
 
 
 def _commit(tmp: Path, dst: Path, overwrite: bool) -> None:
@@ -185,6 +240,24 @@ def clean_stale(dst: Path) -> None:
             _remove(path)
             print(f"warning: removed {path}, left by a killed command (pid {match[2]})",
                   file=sys.stderr)
+
+
+def stranded_note(path: Path) -> str:
+    """For a missing `path`: where its old contents are, when a command was killed between its
+    commit's two renames (`.NAME.old-PID` beside it or beside a missing parent); else ''."""
+    path = Path(path).absolute()
+    for missing in [path, *path.parents]:
+        if missing.exists() or missing.is_symlink():
+            return ""
+        if not missing.parent.is_dir():
+            continue
+        pattern = re.compile(rf"\.{re.escape(missing.name)}\.old-(\d+)")
+        for old in sorted(missing.parent.iterdir()):
+            if (match := pattern.fullmatch(old.name)) and not _alive(int(match[1])):
+                return (f"; {missing} is missing, but {old} holds its old contents: a command "
+                        f"(pid {match[1]}) was killed while replacing it; `mv {old} {missing}` "
+                        f"restores it (so does the next python -m ckpt command into {missing})")
+    return ""
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from models.schema import AttentionConfig, ModelConfig, head_dim_of
+from models.validation import (
+    SettingError,
+    check_attention_settings,
+    check_length,
+    check_model_settings,
+    check_value,
+    flag,
+)
 
 # architecture -> (model_type, q/k/v biases always on)
 ARCHITECTURES = {
@@ -50,6 +58,20 @@ _SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermedia
           "vocab_size", "max_position_embeddings", "num_key_value_heads", "head_dim",
           "sliding_window")
 
+# Flags the import reads: each must be a JSON boolean where given (transformers refuses others).
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+# Our ModelConfig field -> the config.json key that holds it, in messages.
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value_heads",
+             "ffn_hidden_size": "intermediate_size", "kv_channels": "head_dim",
+             "layernorm_epsilon": "rms_norm_eps", "untie_embeddings": "tie_word_embeddings",
+             "rope_scaling_factor": "rope_scaling.factor",
+             "rope_original_max_position": "rope_scaling.original_max_position_embeddings"}
+# The "longctx" block an export writes (ckpt/hf_export.py): its keys, each one of ours.
+_LONGCTX_KEYS = ("attention", "head_wise_attn_gate", "qkv_bias", "dca_chunk_size",
+                 "dca_local_size", "chunk_size", "global_layer_interval",
+                 "original_max_position_embeddings")
+REMOTE_CODE_FILES = ("configuration_longctx.py", "modeling_longctx.py", "longctx_attention.py")
+
 
 class HFError(RuntimeError):
     """A Hugging Face checkpoint that cannot be imported or a checkpoint that cannot be exported
@@ -82,9 +104,17 @@ def check_values(cfg: dict[str, Any], path: Path) -> None:
     if archs is not None and not (isinstance(archs, list)
                                   and all(isinstance(a, str) for a in archs)):
         raise HFError(f"{path}: architectures={archs!r} must be a list of class names")
-    for key in ("rope_parameters", "rope_scaling"):
+    for key in ("rope_parameters", "rope_scaling", "longctx"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
-            raise HFError(f"{path}: {key}={cfg[key]!r} must be an object of settings (or null)")
+            raise HFError(f"{path}: {key}={cfg[key]!r:.80} must be an object of settings (or "
+                          "null)")
+    for key in _FLAGS:  # "false" (a string) is true in Python: a tied model would import
+        if cfg.get(key) is not None and type(cfg[key]) is not bool:
+            raise HFError(f"{path}: {key}={cfg[key]!r:.80} must be true or false (a JSON "
+                          "boolean, not a string or number); fix it in config.json")
+    for key in ("hidden_act", "model_type"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            raise HFError(f"{path}: {key}={cfg[key]!r:.80} must be a string")
 
 
 def _positive(value: Any, key: str, path: Path) -> float | int:
@@ -103,7 +133,7 @@ def architecture(cfg: dict[str, Any], path: Path) -> tuple[str, bool]:
         raise HFError(f"{path}: architecture {archs or '(none given)'} is not supported; "
                       f"import-hf reads {sorted(ARCHITECTURES)}")
     arch = known[0]
-    bias = ARCHITECTURES[arch][1] or bool((cfg.get("longctx") or {}).get("qkv_bias"))
+    bias = ARCHITECTURES[arch][1] or (cfg.get("longctx") or {}).get("qkv_bias") is True
     if cfg.get("attention_bias"):  # Llama's flag also puts a bias on o_proj
         raise HFError(f"{path}: attention_bias=true (biases on q/k/v/o) is not supported")
     return arch, bias
@@ -159,7 +189,7 @@ def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     _check_window(cfg, path)
     try:
         heads = cfg["num_attention_heads"]
-        return ModelConfig(
+        model = ModelConfig(
             name=f"hf-{ARCHITECTURES[arch][0]}",
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
@@ -177,17 +207,54 @@ def model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
         )
     except KeyError as e:
         raise HFError(f"{path}: missing setting {e}") from None
+    try:  # the check every model source shares (models/validation.py), named as config.json does
+        check_model_settings(model, lambda key: _HF_NAMES.get(key, key))
+    except SettingError as e:
+        raise HFError(f"{path}: {e}; fix it in config.json") from None
+    return model
 
 
-def attention_config(cfg: dict[str, Any]) -> AttentionConfig:
-    """The attention an export recorded under config.json's "longctx" key (standard if none)."""
-    settings = cfg.get("longctx") or {}
-    att = AttentionConfig(kind=settings.get("attention", "standard"),
-                          head_wise_attn_gate=bool(settings.get("head_wise_attn_gate", False)))
-    for key in ("dca_chunk_size", "dca_local_size", "chunk_size", "global_layer_interval"):
-        if key in settings:
-            setattr(att, key, settings[key])
+def attention_config(cfg: dict[str, Any], path: Path = Path("config.json")) -> AttentionConfig:
+    """The attention an export recorded under config.json's "longctx" key (standard if none),
+    every value checked (`models.validation`). A config that carries our remote code (its
+    auto_map, architecture or model_type) without the block is refused: it would import as
+    standard attention without a word."""
+    settings = cfg.get("longctx")
+    if settings is None:
+        if _carries_remote_code(cfg, path.parent):
+            raise HFError(f'{path}: the model runs our remote code (auto_map / LongCtxForCausalLM'
+                          f' / {REMOTE_CODE_FILES[1]}), but config.json has no "longctx" block '
+                          "naming its attention: restore the block (or export the checkpoint "
+                          "again) instead of importing it as standard attention")
+        return AttentionConfig()
+    if not isinstance(settings, dict):
+        raise HFError(f'{path}: "longctx"={settings!r:.80} must be an object of settings')
+    unknown = sorted(set(settings) - set(_LONGCTX_KEYS))
+    if unknown:
+        raise HFError(f'{path}: "longctx" holds settings {unknown} that no export writes; '
+                      f"it knows {list(_LONGCTX_KEYS)}")
+    values = {key: settings[key] for key in ("dca_chunk_size", "dca_local_size", "chunk_size",
+                                             "global_layer_interval", "head_wise_attn_gate")
+              if key in settings}
+    att = AttentionConfig(kind=settings.get("attention", "standard"), **values)
+    try:
+        check_value(settings.get("qkv_bias", False), flag, '"longctx".qkv_bias')
+        if "original_max_position_embeddings" in settings:
+            check_length(settings["original_max_position_embeddings"],
+                         '"longctx".original_max_position_embeddings')
+        check_attention_settings(att, lambda key: '"longctx".' + ("attention" if key == "kind"
+                                                                  else key))
+    except SettingError as e:
+        raise HFError(f"{path}: {e}; fix it in config.json") from None
     return att
+
+
+def _carries_remote_code(cfg: dict[str, Any], hf_dir: Path) -> bool:
+    auto_map = cfg.get("auto_map")
+    return ("LongCtxForCausalLM" in (cfg.get("architectures") or [])
+            or cfg.get("model_type") == "longctx"
+            or "longctx" in json.dumps(auto_map if isinstance(auto_map, dict) else {})
+            or any((hf_dir / name).is_file() for name in REMOTE_CODE_FILES[:2]))
 
 
 def _rope_config(model: ModelConfig) -> dict[str, Any]:

@@ -37,9 +37,11 @@ from safetensors.torch import save_file
 
 from ckpt import remote_code
 from ckpt.destination import add_destination_arguments, staged
+from ckpt.disk import file_size_limit
 from ckpt.hf_config import HFError, hf_config
 from ckpt.hf_import import INDEX
 from ckpt.hf_weights import Shape, hf_tensors
+from ckpt.inspect import human_bytes
 from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
@@ -204,6 +206,7 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
                       "safetensors shard; the default is 5 GiB)")
     src_dir = resolve_checkpoint(src)
     ckpt = Checkpoint(src_dir)
+    ckpt.require_intact()  # checksums: a changed file is refused here, as by verify and resume
     ckpt, extended = extension.apply(ckpt, model_max_positions(ckpt))
     max_positions = max_positions or extended or None
     m = _model(ckpt)
@@ -226,6 +229,12 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
     gate = ckpt.meta.attention.head_wise_attn_gate
     dst = Path(dst)
     weights = sum(t.nbytes for k, t in ckpt.tensors.items() if not is_optimizer_key(k))
+    limit = file_size_limit()
+    if limit is not None and min(weights, max_shard_bytes) >= limit:  # a shard fills up to it
+        raise HFError(f"this process may write files of at most {human_bytes(limit)} (ulimit "
+                      f"-f), and the {human_bytes(weights)} of weights go into files of up to "
+                      f"{human_bytes(min(weights, max_shard_bytes))}: pass --max-shard-bytes "
+                      f"{limit // 2} (or less), or raise the limit (ulimit -f unlimited)")
     with staged(dst, overwrite, sources=(src_dir,), needs_bytes=weights) as tmp:
         _write_weights(tmp, hf_tensors(ckpt.read, Shape.of(m, gate), vocab), max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

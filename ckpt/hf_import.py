@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,12 +31,20 @@ import torch.multiprocessing as mp
 from safetensors import SafetensorError, safe_open
 
 from ckpt.destination import add_destination_arguments, staged
-from ckpt.hf_config import HFError, architecture, attention_config, model_config, read_config
+from ckpt.hf_config import (
+    HFError,
+    architecture,
+    attention_config,
+    check_values,
+    model_config,
+    read_config,
+)
 from ckpt.hf_weights import Shape, expected_hf, local_tensor
 from ckpt.meta import CheckpointMeta, HFSource
 from ckpt.save import write_checkpoint
 from models.gpt import BuildOptions, build_model, padded_vocab_size, tp_problems
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from models.validation import SettingError, check_length, check_vocab
 from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
 from parallel.lifetime import run_workers
@@ -170,15 +179,27 @@ class SafetensorsSource:
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
+        self.warned: set[str] = set()
 
     def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         with safe_open(self.files[name], "pt") as f:
             sl = f.get_slice(name)
-            return sl[:] if start is None else sl[start:stop]
+            return self._finite(name, sl[:] if start is None else sl[start:stop])
 
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         with safe_open(self.files[name], "pt") as f:
-            return f.get_slice(name)[:, start:stop]
+            return self._finite(name, f.get_slice(name)[:, start:stop])
+
+    def _finite(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, after one warning line per HF tensor holding NaN or Inf values: they import
+        as they are (transformers loads them too), and the model computes NaN from them."""
+        if name not in self.warned and not bool(torch.isfinite(tensor).all()):
+            self.warned.add(name)
+            bad = int((~torch.isfinite(tensor)).sum())
+            print(f"warning: {self.files[name]}: tensor {name} holds {bad} NaN or infinite "
+                  "values (in the part this rank reads); they are imported as they are, and "
+                  "the model's outputs will be NaN", file=sys.stderr, flush=True)
+        return tensor
 
 
 def _worker(rank: int, tp: int, store: str, out_root: str, job: dict[str, Any]) -> None:
@@ -217,12 +238,19 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     hf_dir = Path(hf_dir).resolve()
     cfg_path = hf_dir / "config.json"
     cfg = read_config(hf_dir)
+    check_values(cfg, cfg_path)  # types first: a string "false" is true
     arch, _ = architecture(cfg, cfg_path)
     model = model_config(cfg, cfg_path)
-    attention = attention_config(cfg)  # an export's own attention (ckpt/hf_export.py)
+    attention = attention_config(cfg, cfg_path)  # an export's own (ckpt/hf_export.py)
     vocab = cfg.get("vocab_size")
     if vocab is None:
         raise HFError(f"{cfg_path}: vocab_size missing")
+    seq_length = cfg.get("max_position_embeddings") or 4096
+    try:
+        check_vocab(vocab)
+        check_length(seq_length, "max_position_embeddings")
+    except SettingError as e:
+        raise HFError(f"{cfg_path}: {e}; fix it in config.json") from None
     files = weight_files(hf_dir)
     check_layers(files, model.num_layers, cfg_path)
     source_dtype = check_tensors(files, expected_hf(Shape.of(model,
@@ -232,7 +260,6 @@ def import_hf(hf_dir: str | Path, dst: str | Path, tp: int = 1, *, dtype: str | 
     problems = _tp_problems(model, vocab, tp)
     if problems:
         raise HFError(f"cannot import {hf_dir} at TP={tp}: " + "; ".join(problems))
-    seq_length = int(cfg.get("max_position_embeddings") or 4096)
     tokenizer = hf_dir / "tokenizer.json"
     meta = CheckpointMeta(
         model=model, attention=attention, layout=Layout(tp=tp), seq_length=seq_length,

@@ -37,6 +37,8 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "seq_length": meta.seq_length,
         "vocab_size": meta.vocab_size,
         "tokenizer": meta.tokenizer,
+        "source": None if meta.hf_source is None else {
+            "path": meta.hf_source.path, "architecture": meta.hf_source.architecture},
         "bytes_on_disk": ckpt.bytes_on_disk(),
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "tensors": tensors,
@@ -63,6 +65,34 @@ def _settings(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in values.items() if k not in ("name", "kind"))
 
 
+# The attention settings each kind uses (the others keep their defaults and mean nothing here)
+_KIND_SETTINGS = {"standard": (), "chunked": ("chunk_size", "global_layer_interval"),
+                  "dca": ("dca_chunk_size", "dca_local_size", "dca_scaling", "dca_scaling_parts",
+                          "dca_scaling_attn_scale", "dca_scaling_floor_scale",
+                          "dca_scaling_original_length")}
+_ROPE_SETTINGS = {"linear": ("rope_scaling_factor",), "ntk": ("rope_scaling_factor",),
+                  "dynamic": ("rope_scaling_factor",),
+                  "yarn": ("rope_scaling_factor", "rope_original_max_position", "rope_beta_fast",
+                           "rope_beta_slow", "rope_attention_factor"),
+                  "llama3": ("rope_scaling_factor", "rope_original_max_position",
+                             "rope_low_freq_factor", "rope_high_freq_factor")}
+
+
+def model_settings(model: dict[str, Any]) -> dict[str, Any]:
+    """The model's settings, RoPE scaling's only when it scales."""
+    kept = ("rope_theta", "rope_scaling_type") + _ROPE_SETTINGS.get(
+        model.get("rope_scaling_type"), ())
+    return {k: v for k, v in model.items() if not k.startswith("rope_") or k in kept}
+
+
+def attention_settings(attention: dict[str, Any]) -> dict[str, Any]:
+    """The settings the attention's kind uses, the gate's when it is on."""
+    keys = _KIND_SETTINGS.get(attention["kind"], tuple(attention))
+    gate = ("head_wise_attn_gate", "head_wise_attn_gate_init_weight_scale",
+            "head_wise_attn_gate_init_bias") if attention.get("head_wise_attn_gate") else ()
+    return {k: attention[k] for k in keys + gate if k in attention}
+
+
 def print_description(d: dict[str, Any]) -> None:
     model, attention = d["model"], d["attention"]
     print(f"checkpoint {d['path']}")
@@ -71,10 +101,13 @@ def print_description(d: dict[str, Any]) -> None:
     layout = d["layout"]
     print("  layout " + " ".join(f"{k}={v}" for k, v in layout.items()))
     print(f"  on disk {human_bytes(d['bytes_on_disk'])}, tensors {human_bytes(d['tensor_bytes'])}")
-    print(f"  model {model['name']}: {_settings(model)}")
+    print(f"  model {model['name']}: {_settings(model_settings(model))}")
     print(f"  sequence length {d['seq_length']}, vocabulary {d['vocab_size']}, tokenizer "
           f"{d['tokenizer']}")
-    print(f"  attention {attention['kind']}: {_settings(attention)}")
+    if d.get("source"):
+        print(f"  imported from {d['source']['path']} ({d['source']['architecture']})")
+    settings = _settings(attention_settings(attention))
+    print(f"  attention {attention['kind']}{': ' + settings if settings else ''}")
     rows = [[t["key"], "x".join(map(str, t["shape"])), t["dtype"], human_bytes(t["bytes"]),
              t["tp_split"]] for t in d["tensors"]]
     print(f"\n{len(rows)} tensors:")

@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
-from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
+from ckpt.checksums import has_manifest, missing_manifest_warning
 from ckpt.meta import CheckpointMeta
 from ckpt.optimizer_format import (
     DISTRIBUTED,
@@ -55,11 +55,13 @@ class CheckpointMismatchError(CheckpointError):
 Source = str | os.PathLike | Checkpoint  # a checkpoint's directory, or the checkpoint opened
 
 
-def open_checked(source: Source) -> Checkpoint:
+def open_checked(source: Source, *, intact: bool = False) -> Checkpoint:
     """The checkpoint, checked on every rank (collective): files present and long enough, the
     checksum manifest (or, in checkpoints saved without one, the items' CRCs; each rank checks a
     share), pickles and its record (`ckpt.meta`). Raises `CheckpointError` listing every
-    problem on every rank, so no rank goes on to wait for the others."""
+    problem on every rank, so no rank goes on to wait for the others. `intact`: the files were
+    checked already (`Checkpoint.require_intact`, before the ranks started); only the record
+    is."""
     problems: list[str] = []
     ckpt = None
     ckpt_dir = source.path if isinstance(source, Checkpoint) else source
@@ -67,14 +69,10 @@ def open_checked(source: Source) -> Checkpoint:
     try:
         ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
         ckpt.meta  # noqa: B018 (read and checked once, here)
-        problems = ckpt.check_files()
-        if not problems and has_manifest(ckpt.path):
-            # The hashes cover every byte: the items' CRCs would only repeat them.
-            problems = checksum_problems(ckpt.path, share) or ckpt.audit(share, tensors=False)
-        elif not problems:
-            if share[0] == 0:
+        if not intact:
+            if share[0] == 0 and not has_manifest(ckpt.path):
                 log.warning(missing_manifest_warning(ckpt.path))
-            problems = ckpt.audit(share)
+            problems = ckpt.integrity_problems(share)
     except CheckpointError as e:
         problems = [str(e)]
     everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]

@@ -14,6 +14,7 @@ same record.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +22,26 @@ from omegaconf import OmegaConf
 
 from ckpt.saved_config import read_saved_config
 from models.schema import AttentionConfig, ModelConfig
+from models.validation import (
+    SettingError,
+    check_length,
+    check_settings,
+    check_value,
+    check_vocab,
+    flag,
+    text,
+    whole,
+)
 from parallel.placement import Layout
 
 META_VERSION = 2
 # The byte tokenizer's vocabulary (256 bytes + end of document), for runs saved before the
 # vocabulary was recorded.
 BYTE_VOCAB = 257
+# Bounds of the record's own values (the model's are models.validation's).
+MAX_STEP = 1 << 40
+MAX_WORLD = 1 << 20  # ranks along any one layout axis
+WANDB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # wandb's run ids: letters, digits, '-', '_'
 
 
 class MetaError(ValueError):
@@ -80,18 +95,61 @@ class CheckpointMeta:
                             "mapping")
         try:
             if extra.get("meta_version") == META_VERSION:
-                return _current(extra)
-            if "meta_version" in extra:
+                meta = _current(extra)
+            elif "meta_version" in extra:
                 raise MetaError(f"meta_version {extra['meta_version']!r} is not one this version"
                                 f" reads ({META_VERSION})")
-            return _legacy(extra, embedding_rows)
+            else:
+                meta = _legacy(extra, embedding_rows)
+            check_record(meta)
+            return meta
+        except SettingError as e:
+            raise MetaError(f"{where}: the checkpoint's record is damaged or edited: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
             raise MetaError(f"{where}: cannot read the checkpoint's record: "
                             f"{type(e).__name__}: {e}") from e
 
 
+def check_record(meta: CheckpointMeta) -> None:
+    """Every value of the record typed and in range (`SettingError` naming it): the model and
+    attention through `models.validation`, the one check every model source shares; the
+    layout, length, vocabulary, step, data position, seed, wandb id and source here."""
+    check_settings(meta.model, meta.attention)
+    for name, layout in (("layout", meta.layout), ("reshaped_from", meta.reshaped_from)):
+        if layout is not None:
+            for key in ("tp", "cp", "pp", "vpp", "dp"):
+                check_value(getattr(layout, key), whole(1, MAX_WORLD), f"{name}.{key}")
+            check_value(layout.distributed_optimizer, flag, f"{name}.distributed_optimizer")
+    check_length(meta.seq_length, "seq_length")
+    check_vocab(meta.vocab_size, "vocab_size")
+    check_value(meta.tokenizer, text(4096), "tokenizer")
+    check_value(meta.step, whole(0, MAX_STEP), "step")
+    check_value(meta.consumed_samples, whole(0, 1 << 62), "consumed_samples")
+    check_value(meta.seed, whole(-(1 << 63), (1 << 64) - 1, optional=True), "seed")
+    check_value(meta.wandb_id, _run_id, "wandb_id")
+    check_value(meta.model_only, flag, "model_only")
+    if meta.run_config is not None:
+        check_value(meta.run_config, text(1 << 20), "run_config")
+    if meta.hf_source is not None:
+        source = meta.hf_source
+        check_value(source.path, text(4096), "hf_source.path")
+        check_value(source.architecture, text(200), "hf_source.architecture")
+        check_vocab(source.vocab_size, "hf_source.vocab_size")
+        check_value(source.config_json, text(1 << 20), "hf_source.config_json")
+
+
+def _run_id(value: Any) -> str | None:
+    """None for null or a wandb run id (the trainer resumes its wandb run by it)."""
+    if value is None or (isinstance(value, str) and WANDB_ID.fullmatch(value)):
+        return None
+    return "null or a wandb run id (1 to 128 letters, digits, '-' or '_')"
+
+
 def _typed(cls: type, values: dict[str, Any] | None) -> Any:
     """A schema dataclass from saved values; keys it does not know are refused."""
+    if values is not None and not isinstance(values, dict):
+        raise TypeError(f"{cls.__name__}: the record holds a {type(values).__name__} "
+                        f"({values!r:.60}), not a mapping of settings")
     values = dict(values or {})
     unknown = sorted(set(values) - set(cls.__dataclass_fields__))
     if unknown:
@@ -103,12 +161,19 @@ def _current(extra: dict[str, Any]) -> CheckpointMeta:
     values = {k: v for k, v in extra.items() if k != "meta_version"}
     values["model"] = _typed(ModelConfig, values["model"])
     values["attention"] = _typed(AttentionConfig, values["attention"])
-    values["layout"] = Layout.from_dict(values["layout"])
+    values["layout"] = _layout(values["layout"])
     if values.get("reshaped_from") is not None:
-        values["reshaped_from"] = Layout.from_dict(values["reshaped_from"])
+        values["reshaped_from"] = _layout(values["reshaped_from"])
     if values.get("hf_source") is not None:
         values["hf_source"] = _typed(HFSource, values["hf_source"])
     return _typed(CheckpointMeta, values)
+
+
+def _layout(saved: Any) -> Layout:
+    if not isinstance(saved, dict):
+        raise TypeError(f"layout: the record holds a {type(saved).__name__} ({saved!r:.60}), "
+                        "not a mapping of sizes")
+    return Layout.from_dict(saved)
 
 
 def _legacy(extra: dict[str, Any], embedding_rows: int) -> CheckpointMeta:

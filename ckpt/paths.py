@@ -13,6 +13,10 @@ from pathlib import Path
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+class CheckpointError(RuntimeError):
+    """A damaged, incomplete, unsafe or incompatible checkpoint; the message names the file."""
+
+
 def checkpoint_name(step: int) -> str:
     return f"iter_{step:07d}"
 
@@ -29,6 +33,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return ckpt
     if re.fullmatch(r"iter_\d+", path.name) and (path / "metadata.json").is_file():
         return path
+    if not path.exists():
+        from ckpt.destination import stranded_note  # here: destination imports torch
+
+        raise FileNotFoundError(f"{path}: no such file or directory{stranded_note(path)}")
     raise FileNotFoundError(
         f"{path} is neither a checkpoints root (no {TRACKER}) nor a complete iter_* checkpoint"
     )
@@ -36,8 +44,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def _tracked_step(tracker: Path) -> int:
     """The step a tracker file names; a damaged tracker is named with its content."""
-    from ckpt.reader import CheckpointError  # here: reader imports torch, paths stays light
-
     with open(tracker, "rb") as f:  # a few bytes: it may be a link to anything (/dev/zero)
         text = f.read(64).decode(errors="replace").strip()
     if not re.fullmatch(r"\d+", text):

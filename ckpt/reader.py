@@ -11,7 +11,9 @@ A checkpoint directory holds
 torch unpickles `.metadata` with plain `pickle.load` and the object items with
 `weights_only=False`. `Checkpoint` parses `.metadata` with an allowlist and `common.pt` with
 `weights_only=True`, and `audit` parses every object item with `weights_only=True`, so a crafted
-checkpoint is refused before torch or megatron open it. Any damage raises `CheckpointError`
+checkpoint is refused before torch or megatron open it. Every file the index names must lie in
+the directory (no absolute path, `..` or link out of it, none of the files without tensor data),
+so `checksums.json` covers every byte a reader reads. Any damage raises `CheckpointError`
 naming the file.
 """
 
@@ -24,6 +26,8 @@ import importlib
 import io
 import json
 import pickle
+import re
+import sys
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +37,15 @@ from typing import Any
 
 import torch
 
+from ckpt.checksums import (
+    OWN_FILES,
+    checksum_problems,
+    has_manifest,
+    missing_manifest_warning,
+    not_inside,
+)
 from ckpt.meta import CheckpointMeta, MetaError
+from ckpt.paths import CheckpointError, checkpoint_name
 
 # Modules whose dataclasses and enums make up torch DCP's `.metadata` pickle.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
@@ -45,10 +57,6 @@ MODEL_WEIGHT = "embedding.word_embeddings.weight"
 
 # Help text of every command's checkpoint argument (what `resolve_checkpoint` accepts).
 CHECKPOINT_HELP = "a checkpoints root (its latest checkpoint) or an iter_* directory"
-
-
-class CheckpointError(RuntimeError):
-    """A damaged, incomplete, unsafe or incompatible checkpoint; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,9 @@ class Checkpoint:
         if not marker.is_file():
             raise CheckpointError(f"{marker} is missing: {self.path} is not a complete "
                                   "torch_dist checkpoint")
+        for name in OWN_FILES:
+            if problem := not_inside(self.path, name, stored=False):
+                raise CheckpointError(f"{self.path / name}: {problem}; restore the checkpoint")
         with reading(marker, "the format marker"):
             backend = json.loads(marker.read_text())["sharded_backend"]
         if backend != "torch_dist":
@@ -163,6 +174,10 @@ class Checkpoint:
             metadata = _MetadataUnpickler(f).load()
         with reading(index, "the tensor index"):
             self.tensors, self.objects = _parse_index(metadata)
+        for name in sorted({item.file for item in self._items()}):
+            if problem := not_inside(self.path, name, stored=True):
+                raise CheckpointError(f"{index}: the index stores data in {name!r}, {problem}: "
+                                      "the index was edited or damaged; restore the checkpoint")
         common = self.path / "common.pt"
         self.common: dict[str, Any]
         if common.is_file():  # megatron-core < 0.19
@@ -183,9 +198,16 @@ class Checkpoint:
             raise CheckpointError(f"{where} holds no checkpoint record (extra)")
         rows = self.tensors[MODEL_WEIGHT].shape[0] if MODEL_WEIGHT in self.tensors else 0
         try:
-            return CheckpointMeta.from_saved(extra, rows, where)
+            meta = CheckpointMeta.from_saved(extra, rows, where)
         except MetaError as e:
             raise CheckpointError(str(e)) from e
+        named = re.fullmatch(r"iter_(\d+)", self.path.name)
+        if named and int(named[1]) != meta.step:
+            raise CheckpointError(
+                f"{where}: the record says step {meta.step}, but the checkpoint lies in "
+                f"{self.path.name} (step {int(named[1])}): directories renamed or swapped? "
+                f"move it back to {checkpoint_name(meta.step)}, or load another checkpoint")
+        return meta
 
     def files(self) -> list[Path]:
         """Every file of the checkpoint (the chunk files the index names, sorted)."""
@@ -214,6 +236,31 @@ class Checkpoint:
                 problems.append(f"{path}: truncated: {path.stat().st_size} bytes, the index "
                                 f"needs at least {end}")
         return problems
+
+    def integrity_problems(self, share: tuple[int, int] = (0, 1)) -> list[str]:
+        """What a reader checks before it reads a weight: files present and long enough, every
+        file's SHA-256 against `checksums.json` (no file missing or extra), the pickled objects;
+        without a manifest (saved before checksums), every item's CRC. `share=(i, n)`: this
+        process's part of the hashing."""
+        problems = self.check_files()
+        if problems:
+            return problems
+        if has_manifest(self.path):  # the hashes cover every byte: CRCs would repeat them
+            return checksum_problems(self.path, share) or self.audit(share, tensors=False)
+        return self.audit(share)
+
+    def require_intact(self) -> None:
+        """`integrity_problems` in this one process, raised as one `CheckpointError` (the
+        commands that read a checkpoint without a process group: export, export-hf, and
+        reshape before it starts its ranks); warns on stderr without a manifest."""
+        if not has_manifest(self.path):
+            print(f"warning: {missing_manifest_warning(self.path)}", file=sys.stderr)
+        problems = self.integrity_problems()
+        if problems:
+            more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+            raise CheckpointError(f"{self.path} is damaged or changed since its save "
+                                  f"({'; '.join(problems[:3])}{more}); nothing was written: "
+                                  f"python -m ckpt verify {self.path} lists every problem")
 
     def audit(self, share: tuple[int, int] = (0, 1), *, tensors: bool = True) -> list[str]:
         """Check every stored item's CRC and parse every pickled object with `weights_only`.
@@ -304,7 +351,38 @@ def _parse_index(metadata: Any) -> tuple[dict[str, TensorInfo], dict[str, Item]]
                 Chunk(tuple(c.offsets), tuple(c.sizes), storage[(key, tuple(c.offsets))])
                 for c in md.chunks
             )
-            tensors[key] = TensorInfo(key, tuple(md.size), md.properties.dtype, chunks)
+            tensors[key] = _checked(TensorInfo(key, tuple(md.size), md.properties.dtype,
+                                               chunks))
         else:
             objects[key] = storage[(key, None)]
     return tensors, objects
+
+
+def _is_size(n: Any) -> bool:
+    return type(n) is int and n >= 0
+
+
+def _checked(info: TensorInfo) -> TensorInfo:
+    """`info` when its shape and chunks are sizes that fit each other and the bytes stored, else
+    ValueError: a forged index (a shape of [10**12] or [-5]) must not make a reader allocate or
+    fail far from its cause."""
+    if not (isinstance(info.dtype, torch.dtype) and len(info.shape) <= 16
+            and all(map(_is_size, info.shape))):
+        raise ValueError(f"tensor {info.key}: shape {list(info.shape)} / dtype {info.dtype} is "
+                         "not a tensor's (sizes must be whole numbers >= 0)")
+    stored = 0
+    for chunk in info.chunks:
+        if not (len(chunk.offset) == len(chunk.size) == len(info.shape)
+                and all(map(_is_size, chunk.offset + chunk.size))
+                and all(o + n <= d for o, n, d in zip(chunk.offset, chunk.size, info.shape))):
+            raise ValueError(f"tensor {info.key}: chunk at {list(chunk.offset)} of size "
+                             f"{list(chunk.size)} lies outside its shape {list(info.shape)}")
+        if _numel(chunk.size) * info.dtype.itemsize > chunk.item.length:
+            raise ValueError(f"tensor {info.key}: chunk at {list(chunk.offset)} of size "
+                             f"{list(chunk.size)} needs more than the {chunk.item.length} bytes "
+                             "stored for it")
+        stored += _numel(chunk.size)
+    if stored < _numel(info.shape):
+        raise ValueError(f"tensor {info.key}: shape {list(info.shape)} holds "
+                         f"{_numel(info.shape)} elements, its chunks only {stored}")
+    return info

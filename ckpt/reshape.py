@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, store: str, src: str, out_root: str, target: 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     stages = tqdm(total=3, desc=f"reshape ({world} ranks)", disable=rank != 0)
     try:
-        ckpt = open_checked(src)  # files, CRCs and pickles: each rank checks a share
+        ckpt = open_checked(src, intact=True)  # its files checked before the ranks started
         initialize_parallel(torch.device("cpu"), target.tp, ckpt.meta.seed or 0, pp=target.pp)
         model = _rebuild_model(ckpt, target)
         names = _state_names(ckpt, source_layout(ckpt), target)
@@ -222,6 +222,7 @@ def reshape(src: str | Path, dst: str | Path, tp: int | None = None, *, pp: int 
         print_plan(ckpt, target, rows)
         print(f"\ndry run: would write {Path(dst)}/{src_dir.name} (nothing written)")
         return
+    ckpt.require_intact()  # a damaged source: one error line here, not a rank's traceback
     dst = Path(dst)
     world = target.tp * target.pp
     with staged(dst, overwrite, sources=(src_dir,), needs_bytes=ckpt.bytes_on_disk()) as tmp, \

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.checksums import checkpoint_files, digests, write_manifest
-from ckpt.disk import ran_out_of_space
+from ckpt.disk import failure_text, ran_out_of_space
 from ckpt.meta import CheckpointMeta
 from ckpt.paths import TRACKER, checkpoint_name
 from ckpt.reader import CheckpointError
@@ -60,14 +61,19 @@ def write_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any],
 
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
     _collect_results_in_process()
-    with _disk_full_named(root, step):
-        with _fail_if_a_child_dies(f"writing {tmp}"), _writers_stopped_on_failure(), \
-                forks_die_with_parent():
-            dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
-        dist.barrier()
-        _record_checksums(tmp)
+    try:
+        with _disk_full_named(root, step):
+            with _fail_if_a_child_dies(f"writing {tmp}"), _writers_stopped_on_failure(), \
+                    forks_die_with_parent():
+                dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
+            dist.barrier()
+            _record_checksums(tmp)
+            if dist.get_rank() == 0:
+                _fsync_tree(tmp)
+    except KeyboardInterrupt:  # a second Ctrl-C: the partial save goes, the previous one stays
         if dist.get_rank() == 0:
-            _fsync_tree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     if dist.get_rank() == 0:
         old = root / (checkpoint_name(step) + ".old")
@@ -92,14 +98,14 @@ def _disk_full_named(root: Path, step: int) -> Iterator[None]:
     tmp = root / (checkpoint_name(step) + ".tmp")
     try:
         yield
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # torch's save reports a BaseException
         if not ran_out_of_space(tmp, e):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         previous = f"{root / checkpoint_name(s)}" if (s := _tracked(root)) is not None else "none"
         raise DiskFullError(
             f"no space left on device (ENOSPC) while saving {tmp.name} under {root} "
-            f"({' '.join(str(e).split())[:120]}): the partial save was removed; the previous "
+            f"({failure_text(e)[:120]}): the partial save was removed; the previous "
             f"checkpoint ({previous}) is intact; free space, then resume with "
             f"checkpoint.load={root}") from e
 

@@ -1,5 +1,6 @@
 """The one reader of a checkpoint's saved run config (YAML text: the record's `run_config`, or
-`config` in its older format).
+`config` in its older format), and the one writer of a run config into anything written
+(`unresolved_env`, `saved_yaml`).
 
 A checkpoint may come from anyone, and its config is plain text anyone can edit, so it is read
 as data only:
@@ -17,9 +18,16 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf._utils import get_yaml_loader  # omegaconf is pinned to 2.3
+from omegaconf._utils import (  # omegaconf is pinned to 2.3
+    get_omega_conf_dumper,
+    get_yaml_loader,
+)
 from omegaconf.errors import OmegaConfBaseException
 
+# An interpolation that reads the environment: its value may be a secret (a token, a password),
+# so nothing written resolves it (a checkpoint's saved config, an export's manifest, wandb).
+# (an escaped `\${` is text: an odd number of backslashes before it)
+ENV_INTERPOLATION = re.compile(r"(?<!\\)(?:\\\\)*\$\{\s*(oc\.env|env)\s*:")
 MAX_BYTES = 1 << 20  # a run's config is a few KB
 MAX_NODES = 100_000
 MAX_DEPTH = 64
@@ -87,3 +95,42 @@ def literal(value: Any) -> Any:
     if isinstance(value, str):
         return re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m[1])) + "\\${", value)
     return value
+
+
+def unresolved_env(cfg: DictConfig) -> dict[str, Any]:
+    """`cfg` as plain values for everything written: each interpolation resolved, except those
+    that read the environment (`${oc.env:NAME}`), kept as their literal text, and so is any value
+    interpolating one (`OmegaConf.to_container(cfg, resolve=True)` wrote the secret itself into
+    the checkpoint's saved config, an export's manifest and wandb's files)."""
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    return OmegaConf.to_container(OmegaConf.create(_env_as_text(raw)), resolve=True)
+
+
+def _env_as_text(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _env_as_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_env_as_text(v) for v in value]
+    if isinstance(value, str) and ENV_INTERPOLATION.search(value):
+        return literal(value)
+    return value
+
+
+def saved_yaml(values: dict[str, Any]) -> str:
+    """Plain config values (`unresolved_env`'s) as the YAML text a checkpoint saves, written as
+    `OmegaConf.to_yaml` writes a config (an interpolation's text stays text: nothing parses it)."""
+    return yaml.dump(values, default_flow_style=False, allow_unicode=True, sort_keys=False,
+                     Dumper=get_omega_conf_dumper())
+
+
+def written_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The `model`, `attention` and `run_config` of a run's checkpoint record: the run config as
+    configured (`unresolved_env`: an environment interpolation stays its text); the model and
+    attention as built (resolved: they are the model), the model's free-text name excepted."""
+    from models.schema import AttentionConfig, ModelConfig
+
+    written = unresolved_env(cfg)
+    model = OmegaConf.to_container(cfg.model, resolve=True) | {"name": written["model"]["name"]}
+    return {"model": ModelConfig(**model),
+            "attention": AttentionConfig(**OmegaConf.to_container(cfg.attention, resolve=True)),
+            "run_config": saved_yaml(written)}

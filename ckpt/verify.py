@@ -18,13 +18,18 @@ from ckpt.reader import CHECKPOINT_HELP, Checkpoint, CheckpointError
 
 def check(ckpt: Checkpoint, progress: bool = True) -> list[str]:
     """Every problem found reading the whole checkpoint: missing or truncated files, files that
-    differ from the checksum manifest or are missing from it or extra, CRC errors, unsafe or
-    unreadable objects, tensors whose chunks are unreadable or incomplete."""
+    differ from the checksum manifest or are missing from it or extra, a record that is damaged
+    or names another step than its directory, CRC errors, unsafe or unreadable objects, tensors
+    whose chunks are unreadable or incomplete."""
     problems = ckpt.check_files()
     if problems:  # reading would only repeat these
         return problems
     if has_manifest(ckpt.path):
         problems = checksum_problems(ckpt.path)
+    try:  # the record: typed, in range, its step the directory's (every reader checks it)
+        ckpt.meta  # noqa: B018
+    except CheckpointError as e:
+        problems.append(str(e))
     problems += ckpt.audit(tensors=False)  # objects; tensors are read (and CRC-checked) below
     for key in tqdm(sorted(ckpt.tensors), desc="reading tensors", unit="tensor",
                     disable=not progress):

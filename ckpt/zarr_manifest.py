@@ -41,6 +41,8 @@ def manifest_problems(manifest: Any, export_dir: Path) -> list[str]:
         problems.append("common: missing (the checkpoint's common state)")
     elif saved_tp is not None and saved_tp != tp:
         problems.append(f"tp: {tp!r}, but the checkpoint it holds was saved at TP={saved_tp}")
+    if isinstance(common, dict):
+        problems += _record_problems(manifest, common)
     if not isinstance(manifest.get("objects", {}), dict):
         problems.append("objects: not a JSON object")
     tensors = manifest.get("tensors")
@@ -80,6 +82,35 @@ def _entry_problems(entry: Any, export_dir: Path, tp: int | None, key: str) -> l
         problems.append(f"path {path!r} is not a path inside the export")
     elif not (export_dir / path / "zarr.json").is_file():
         problems.append(f"its array {export_dir / path} is missing")
+    return problems
+
+
+def _record_problems(manifest: dict[str, Any], common: dict[str, Any]) -> list[str]:
+    """The checkpoint's record (`common.extra`, and its copy `meta`) read as every reader reads
+    it (`CheckpointMeta.from_saved`: typed, in range), its step the manifest's: an edited
+    record's billion layers made `import` write a checkpoint that `reshape` and a resume hung on.
+    """
+    from ckpt.meta import CheckpointMeta, MetaError
+    from ckpt.plain import decode
+    from ckpt.reader import MODEL_WEIGHT
+
+    try:
+        extra = decode(common).get("extra")
+    except Exception as e:  # any damage of the tagged values (a dtype or base64 that is not one)
+        return [f"common: cannot be decoded ({type(e).__name__}: {e})"]
+    embedding = (manifest.get("tensors") or {}).get(MODEL_WEIGHT) \
+        if isinstance(manifest.get("tensors"), dict) else None
+    shape = embedding.get("shape") if isinstance(embedding, dict) else None
+    rows = shape[0] if isinstance(shape, list) and shape and _count(shape[0], 0) else 0
+    problems = []
+    for where, record in (("common.extra", extra), ("meta", manifest.get("meta", extra))):
+        try:
+            meta = CheckpointMeta.from_saved(record, rows, where)
+        except MetaError as e:
+            problems.append(str(e))
+            continue
+        if _count(manifest.get("step"), 0) and meta.step != manifest["step"]:
+            problems.append(f"step: {manifest['step']}, but {where} records step {meta.step}")
     return problems
 
 

@@ -1,16 +1,15 @@
 """Megatron's fused QKV projection handed to DCA with its query heads in their groups.
 
-megatron's projection output is [s, b, groups, (q_per_group + 2) * d]: a group's query heads,
-then its key and value. Its split reshapes the query heads to [s, b, heads, d], which that
-layout cannot view (the head strides differ within and across groups), so the forward copies q;
-its backward concatenates dq, dk and dv into the fused gradient (docs/benchmarks.md, "megatron's
-QKV split in one pass with RoPE"). Standard layers avoid both through megatron's fused QKV RoPE
-(models/fused_rope.py). DCA rotates q itself, and its kernel path reads q only in its rotation
-passes, which take heads in groups. So for DCA layers `GroupedQuerySelfAttention` hands the core
-q as a view [s, b, groups, q_per_group, d] (`split_grouped`), and DCA's backward writes dq, dk
+megatron's projection output is [s, b, groups, (q_per_group + 2) * d]: a group's query heads, then
+its key and value. Its split reshapes the query heads to [s, b, heads, d], which that layout cannot
+view (the head strides differ within and across groups), so the forward copies q; its backward
+concatenates dq, dk and dv into the fused gradient. Standard layers avoid both through megatron's
+fused QKV RoPE (models/fused_rope.py). DCA rotates q itself, and its kernel path reads q only in its
+rotation passes, which take heads in groups. So for DCA layers `GroupedQuerySelfAttention` hands the
+core q as a view [s, b, groups, q_per_group, d] (`split_grouped`), and DCA's backward writes dq, dk
 and dv into one tensor of the projection's layout (`gradient_slots`), which the split's backward
-returns as the fused gradient as it is. Where either side cannot (another path of DCA's, a
-gradient summed from several uses), the split's backward assembles the gradient itself.
+returns as the fused gradient as it is. Where either side cannot (another path of DCA's, a gradient
+summed from several uses), the split's backward assembles the gradient itself.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 megatron applies RoPE to q and k of every standard layer. Its unfused path (rope_utils'
 `_apply_rotary_pos_emb_bshd`) takes cos and sin of the frequency table, casts them to bf16 and
-runs five elementwise kernels per tensor (its share of a step: docs/benchmarks.md). With
+runs five elementwise kernels per tensor (docs/benchmarks.md, "Fused RoPE"). With
 `config.apply_rope_fusion` it calls `rope_utils.fused_apply_rotary_pos_emb` instead, which is
 Transformer Engine's kernel when TE is installed and None otherwise. `install()` puts ours there
 when the slot is empty: one Triton pass each way (`rotate`, on the kernels DCA rotates with),
@@ -15,7 +15,7 @@ installed). `install()` puts `fused_apply_qkv_rotary_pos_emb` there: the split a
 pass each way. megatron's own split reshapes the query heads out of their groups
 ([s, b, groups, (q_per_group + 2) * d], the layout of the fused weight) with a copy, and its
 backward concatenates the three gradients into the fused one: at 32K tokens of gpt_1p3b that
-copy and that concatenation cost more than the rotations themselves (docs/benchmarks.md). Here
+copy and that concatenation cost more than the rotations themselves. Here
 the forward reads the query and key heads where they lie and writes them rotated, and the
 backward writes the rotated-back gradients straight into the fused gradient's slots. megatron
 takes this path only where every layer rotates (`models/gpt.py` turns it on so).
@@ -106,7 +106,7 @@ class _QKVRotate(torch.autograd.Function):
             rotate_transpose_sum([dq[:, b]], [positions[0]], q_cos, q_sin, dq_slots[:, b])
             rotate_transpose_sum([dk[:, b]], [positions[0]], k_cos, k_sin, dk_slots[:, b])
             # dv as it is: a vectorised copy into its strided slots (torch's copy_ into that
-            # layout is a slow unvectorised kernel: docs/benchmarks.md)
+            # layout is a slow unvectorised kernel)
             rotate_transpose_sum([dv[:, b]], None, q_cos, q_sin, dv_slots[:, b])
         return d_mixed, None, None, None
 

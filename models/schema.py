@@ -56,6 +56,10 @@ class AttentionConfig:
     # GPU kernel of every attention kind (models/attention/kernels.py): auto (FlashAttention-4
     # on SM90+ when installed, else cudnn) | fa4 | cudnn | flash | math
     kernel: str = "auto"
+    # DCA's chunk C and local window w (chunk length C - w). Under +attention=dca, unset: the
+    # run's seq_length / 4 (at most 8192) and C / 8 for a model trained from scratch; for an
+    # existing model (eval, generate, a fine-tune, export) the sizes it was trained with, or
+    # 3T/4 and T/16 of its length T (dca_pretrained_split)
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
     # Length-dependent logit scaling for DCA (models/attention/dca/scaling.py; defaults: sources)
@@ -72,7 +76,7 @@ class AttentionConfig:
     # DCA's kernels: keep the forward's rotated queries and keys for the backward instead of
     # rotating them again (activation memory for speed: 3 copies of q and one of k per layer)
     dca_keep_rotated: bool = False
-    chunk_size: int = 8192
+    chunk_size: int = 8192  # chunked: a query sees its chunk (unset: seq_length / 4, <= 8192)
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
     head_wise_attn_gate: bool = False
     head_wise_attn_gate_init_weight_scale: float = 0.1

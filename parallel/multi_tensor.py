@@ -5,7 +5,7 @@ an l2 norm (the grad norm for clipping) and a scale (grad clipping, and the copy
 main params into the bf16 model params, a scale by 1). Without apex/TE it falls back to
 `megatron.core.utils.local_multi_tensor_*`, whose norm reads every tensor's norm to the host
 (one device sync per parameter tensor, each leaving the GPU idle until the host launches the
-next kernel; docs/benchmarks.md counts them) and whose scale runs two kernels per
+next kernel) and whose scale runs two kernels per
 tensor (a scaled temporary, then a copy). These drop-ins keep the ops on the device in torch's
 foreach kernels: a handful of launches for all tensors, no sync, same results
 (tests/parallel/test_multi_tensor.py compares them with megatron's own fallbacks and with float64

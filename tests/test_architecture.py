@@ -141,3 +141,40 @@ def test_each_attention_kind_is_declared_once() -> None:
             if len(values & set(VARIANTS)) >= 2:
                 others.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not others, f"attention kinds listed outside the registry: {others}"
+
+
+def test_the_model_config_loads_no_kernel_module() -> None:
+    """`models.config` (every config check reads it) loads DCA's settings checks, not its
+    kernels: they load when a model runs them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, models.config; print(','.join(m for m in sys.modules if m.startswith("
+            "'models.attention.dca.') and m.rsplit('.', 1)[1] in ('grouped', 'fa4_forward', "
+            "'fa4_backward', 'dq_parts', 'fa4_parts', 'graphs')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """No import cycle among the project's modules, lazy (function-level) imports included: a
+    circle means two modules are one concept split in two, or a piece is in the wrong one."""
+    import ast
+
+    from tests.conftest import REPO
+
+    graph: dict[str, set[str]] = {}
+    for package in ("models", "parallel", "ckpt", "trainer"):
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(
+                ".__init__")
+            deps = graph.setdefault(name, set())
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    deps.add(node.module)
+                elif isinstance(node, ast.Import):
+                    deps.update(alias.name for alias in node.names)
+    cycles = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
+                     if b in graph and b != a and a in graph[b]})
+    assert not cycles, f"modules importing each other: {cycles}"

@@ -7,7 +7,9 @@ the run directory before Hydra writes into it (`trainer.run_dir`).
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,11 +22,18 @@ from omegaconf import DictConfig
 from parallel.placement import resolve_device
 from parallel.process_group import join_process_group
 from trainer.config import CONF_DIR, register_configs
-from trainer.entry import check_early, check_overrides, exits_on_user_error
+from trainer.entry import (
+    arrange_argv,
+    check_early,
+    check_overrides,
+    exits_on_user_error,
+    report_user_error,
+)
+from trainer.errors import UserError
 
 register_configs()
 # Long-context steps allocate a few huge activation blocks; expandable segments keep the caching
-# allocator from fragmenting them (docs/benchmarks.md, "End-to-end training (issue 8)").
+# allocator from fragmenting them (bench/train.py sets the same).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
@@ -55,16 +64,28 @@ def _agree_on_run_dir() -> None:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @exits_on_user_error
 def run(cfg: DictConfig) -> None:
-    from trainer.run_dir import raise_refusal
+    from trainer.run_dir import checkpoints_root, raise_refusal
 
     raise_refusal()  # the run directory is held by another run or holds checkpoints
     from trainer.stop import Stopped
     from trainer.train import train  # heavy imports once the config and directory are fine
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    resume = (f"its last complete checkpoint, if any, resumes with "
+              f"checkpoint.load={checkpoints_root(cfg, run_dir)}")
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        train(cfg, run_dir)
     except Stopped as stopped:  # saved; 128 + signal, as if the signal had ended the process
         sys.exit(stopped.exit_status)
+    except KeyboardInterrupt:  # Ctrl-C during setup, or a second one while stopping
+        report_user_error(UserError(f"interrupted by SIGINT (nothing saved since the last "
+                                    f"checkpoint); {resume}"))
+        sys.exit(128 + signal.SIGINT)
+    except OSError as e:  # the run directory's disk filled up, or turned read-only
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        raise UserError(f"{e.strerror} while writing {e.filename or 'the run outputs'}: free "
+                        f"space (or make it writable), then resume: {resume}") from e
 
 
 def _validate(cfg: DictConfig, argv: list[str]) -> None:
@@ -84,8 +105,9 @@ def main() -> None:
         _agree_on_run_dir()
     else:
         os.environ["LONGCTX_RUN_STAMP"] = _run_stamp()
-    # first, not last: after `--cfg job` argparse would not take it as an override
-    sys.argv.insert(1, "+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir")
+    # Hydra's flags first, the overrides together after them (`--cfg job` anywhere)
+    sys.argv[1:] = arrange_argv(sys.argv[1:], (
+        "+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimRunDir",))
     run()
 
 

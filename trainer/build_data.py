@@ -10,8 +10,11 @@ Train on it with `data.name=indexed data.path=data/mycorpus` (and the same `data
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
+import stat
 import sys
 import warnings
 from collections.abc import Iterator
@@ -77,13 +80,24 @@ def expand_inputs(inputs: list[Path], files_from: Path | None = None,
         else:
             files.append(path)
     if files_from is not None:
-        if not files_from.is_file():
+        if not files_from.exists():
             raise FileNotFoundError(f"--files-from: no file {files_from}")
+        if not files_from.is_file():
+            raise UserError(f"--files-from {files_from} is not a regular file "
+                            f"({_kind(files_from)}): write the list of inputs to a file")
         files += [Path(line) for line in files_from.read_text(encoding="utf-8").splitlines()
                   if line.strip()]
     if not files:
         raise UserError("no input files: name files or directories, or --files-from LIST")
     return files
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO or pipe"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
@@ -119,9 +133,13 @@ def _documents(path: Path, text_key: str, progress: tqdm) -> Iterator[str]:
 def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
           text_key: str = "text", overwrite: bool = False) -> dict[str, int | str]:
     """Write the dataset under temporary names and rename when complete; returns a summary."""
-    missing = [str(p) for p in inputs if not p.is_file()]
+    missing = [str(p) for p in inputs if not p.exists()]
     if missing:
         raise FileNotFoundError(f"input files not found: {', '.join(missing)}")
+    for path in inputs:
+        if not path.is_file():
+            raise UserError(f"{path} is not a regular file ({_kind(path)}): give text or .jsonl "
+                            "files (a directory named as an INPUT stands for its --glob files)")
     _check_prefix(output_prefix)
     outputs = {ext: Path(f"{output_prefix}{ext}") for ext in (".bin", ".idx", ".meta.json")}
     existing = [str(p) for p in outputs.values() if p.exists()]
@@ -170,8 +188,15 @@ def build(inputs: list[Path], output_prefix: str, tokenizer: str = "byte",
         tmp[".meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
         for ext in (".bin", ".idx", ".meta.json"):  # meta last: it marks a complete dataset
             os.replace(tmp[ext], outputs[ext])
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(f"no space left on device (ENOSPC) while writing {output_prefix}.bin/"
+                        f".idx: nothing was written (the partial files were removed); free "
+                        f"space, or choose another --output-prefix ({err.strerror})") from err
     finally:
-        builder.data_file.close()
+        with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails too
+            builder.data_file.close()
         for p in tmp.values():
             p.unlink(missing_ok=True)
     return {"documents": documents, "tokens": tokens, "skipped_empty": skipped,

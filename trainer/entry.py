@@ -77,6 +77,37 @@ def check_overrides(argv: list[str], config_name: str = "config") -> DictConfig 
         sys.exit(2)
 
 
+# Hydra's command-line flags that take a value (`--cfg job`); the others take none
+_VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
+                 "-cn", "--config-dir", "-cd", "--experimental-rerun", "--shell-completion",
+                 "-sc"}
+_OPTIONAL_VALUE_FLAGS = {"--info", "-i"}  # `--info` alone or `--info defaults`
+_INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def arrange_argv(argv: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line with Hydra's flags first and every override (the user's, then `extra`)
+    after them, so flags go anywhere on the line (Hydra's parser takes overrides as one group);
+    `--cfg` shows resolved values (`--resolve`), as the run uses them."""
+    flags, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _VALUED_FLAGS and i + 1 < len(argv):
+            flags += argv[i:i + 2]
+            i += 2
+            continue
+        if arg in _OPTIONAL_VALUE_FLAGS and i + 1 < len(argv) and argv[i + 1] in _INFO_VALUES:
+            flags += argv[i:i + 2]
+            i += 2
+            continue
+        (flags if arg.startswith("-") else overrides).append(arg)
+        i += 1
+    if any(f in ("--cfg", "-c") for f in flags) and "--resolve" not in flags:
+        flags.append("--resolve")
+    return flags + overrides + list(extra)
+
+
 def check_early(check: Callable[[], object]) -> None:
     """Run `check` before the process group and the heavy imports: a user error ends the process
     as `exits_on_user_error` does, seconds after start (every rank of a torchrun job reaches the

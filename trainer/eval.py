@@ -13,7 +13,6 @@ also by position bucket (0..T, T..2T, 2T..4T, ... with T the trained length). Re
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
@@ -27,8 +26,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ckpt.meta import CheckpointMeta
-from ckpt.reader import Checkpoint
-from ckpt.saved_config import literal
+from ckpt.reader import MODEL_WEIGHT, Checkpoint
+from ckpt.saved_config import literal, unresolved_env
 from models.schema import AttentionConfig
 from trainer.config import (
     CONF_DIR,
@@ -37,7 +36,8 @@ from trainer.config import (
     command_line_overrides,
     register_configs,
 )
-from trainer.entry import check_overrides, exits_on_user_error
+from trainer.entry import arrange_argv, check_overrides, exits_on_user_error
+from trainer.evals.results import EvalResults
 from trainer.resume import saved_run_config
 from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
 from trainer.validate import check_model, placement, validate_eval
@@ -144,7 +144,7 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
     hydra_cfg = HydraConfig.get()
     if group is None and hydra_cfg.mode == RunMode.MULTIRUN:
         group = f"eval-{Path(hydra_cfg.sweep.dir).name}"
-    run = start_wandb(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), None,
+    run = start_wandb(run_dir, cfg.logger, unresolved_env(cfg), None,
                       group=group, job_type="eval", name=cfg.logger.name or label)
     passkey = wandb.Table(columns=["attention", "length", "depth", "accuracy", "trials"],
                           data=[[label, c.length, c.depth, c.accuracy, c.trials] for c in cells])
@@ -186,7 +186,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from models.attention.registry import dca_scaling
     from parallel.distributed import initialize_parallel, shutdown
     from trainer.data.datasets import build_datasets
-    from trainer.eval_fit import fitting_lengths
+    from trainer.eval_fit import check_memory, fitting_lengths
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.evals.retrieval import multikey_accuracy
     from trainer.init_from import open_load
@@ -208,6 +208,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     check_model(model_cfg, cfg.attention, cfg.parallel)
     data = checkpoint_data(cfg, meta)
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
+    if cfg.eval.suite == "passkey":  # the RULER suite decodes on the engine (its cache checked)
+        check_memory(model_cfg, ckpt.tensors[MODEL_WEIGHT].shape[0], cfg.eval, cfg.parallel.tp,
+                     bf16, device)
     label = cfg.attention.kind
     if label == "dca" and cfg.attention.dca_scaling != "none":
         # the label carries every scaling constant (defaults or not)
@@ -222,18 +225,18 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         e = cfg.eval
         _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, max(e.lengths),
                                      data.valid_fraction, 0, data.max_documents)
+        summary = {"checkpoint": str(ckpt.path), "step": meta.step,
+                   "trained_attention": meta.attention.kind,
+                   "attention": OmegaConf.to_container(cfg.attention, resolve=True),
+                   "label": label, "rope": {k: v for k, v in OmegaConf.to_container(
+                       model_cfg).items() if k.startswith("rope_")},
+                   "trained_length": trained_length}
         if e.suite == "ruler":
             from trainer.evals.ruler_run import evaluate_ruler
 
             def model_loader():
                 return load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
 
-            summary = {"checkpoint": str(ckpt.path), "step": meta.step,
-                       "trained_attention": meta.attention.kind,
-                       "attention": OmegaConf.to_container(cfg.attention, resolve=True),
-                       "label": label, "rope": {k: v for k, v in OmegaConf.to_container(
-                           model_cfg).items() if k.startswith("rope_")},
-                       "trained_length": trained_length}
             return evaluate_ruler(cfg, model_cfg, data.tokenizer, valid.stream, model_loader,
                                   summary, run_dir, device, bf16, topo.is_main)
         model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
@@ -255,20 +258,12 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                                           trained_length) if e.attention_queries > 0 else []
     finally:
         shutdown()
-    results = {
-        "checkpoint": str(ckpt.path), "step": meta.step, "trained_attention": meta.attention.kind,
-        "attention": OmegaConf.to_container(cfg.attention, resolve=True), "label": label,
-        "rope": {k: v for k, v in OmegaConf.to_container(model_cfg).items()
-                 if k.startswith("rope_")}, "trained_length": trained_length,
-        "passkey": [asdict(c) | {"accuracy": c.accuracy} for c in cells],
-        "multikey": [asdict(c) | {"accuracy": c.accuracy} for c in multikey],
-        "perplexity": [asdict(p) | {"perplexity": p.perplexity, "buckets": [
-            asdict(b) | {"perplexity": b.perplexity} for b in p.buckets]} for p in points],
-        "attention_by_distance": [asdict(a) for a in attention],
-    }
+    typed = EvalResults(**summary, passkey=cells, multikey=multikey, perplexity=points,
+                        attention_by_distance=attention)
+    results = typed.to_dict()
     if topo.is_main:
         _warn_non_finite(points)
-        (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
+        typed.write(run_dir)
         plots = _plots(run_dir, label, cells, points)
         for n in sorted(e.lengths):
             row = [c for c in cells if c.length == n]
@@ -309,11 +304,16 @@ def _warn_non_finite(points: list) -> None:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @exits_on_user_error
 def main(cfg: DictConfig) -> None:
+    from trainer.run_dir import raise_refusal
+
+    raise_refusal()  # the run directory is in use, or a training run's (trainer.run_dir)
     evaluate(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:])
-    if not any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:]):
-        sys.argv.append("hydra.job.name=eval")  # eval.log, not train.log
+    named = any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:])
+    # eval.log, not train.log; Hydra's flags anywhere on the line
+    sys.argv[1:] = arrange_argv(sys.argv[1:], (() if named else ("hydra.job.name=eval",)) + (
+        "+hydra.callbacks.claim_run_dir._target_=trainer.run_dir.ClaimEvalDir",))
     main()

@@ -57,3 +57,44 @@ def _window(stream, length: int) -> None:
     if len(stream) <= length:
         raise UserError(f"the validation text ({len(stream)} tokens) is shorter than one window; "
                         "use more data (data.max_documents, data.valid_fraction)")
+
+
+GB = 1 << 30
+
+
+def check_memory(model, vocab_rows: int, e: DictConfig, tp: int, bf16: bool, device) -> None:
+    """UserError when the longest of `e.lengths` cannot fit, before the checkpoint's model is
+    loaded: the perplexity computes the logits [batch, length, vocabulary] whole (the model's,
+    a float copy, the log-softmax), beside the
+    prefill's largest activations and the weights, against the device's memory (a GPU's total,
+    the RAM available on the CPU). Before: `can't allocate` deep inside the first forward."""
+    import psutil
+    import torch
+
+    from models.gpt import ffn_hidden_size
+    from models.schema import head_dim_of
+
+    length = max(e.lengths)
+    rows = max(1, min(e.batch_size, max(e.passkey_trials, e.perplexity_windows,
+                                        e.multikey_trials)))
+    itemsize = 2 if bf16 else 4
+    h, heads = model.hidden_size, model.num_attention_heads
+    qkv = (heads + 2 * (model.num_query_groups or heads)) * head_dim_of(model)
+    ffn = ffn_hidden_size(model) * (2 if model.swiglu else 1)  # the MLP's first projection
+    layer = h * qkv + heads * head_dim_of(model) * h + h * ffn + ffn_hidden_size(model) * h
+    params = model.num_layers * layer + vocab_rows * h * (2 if model.untie_embeddings else 1)
+    weights = params * itemsize // tp
+    logits = rows * length * vocab_rows * (itemsize + 8)
+    # the residual stream and its norm, q/k/v, the MLP's first projection and its activation
+    prefill = rows * length * (4 * h + qkv + ffn + ffn_hidden_size(model)) * itemsize
+    need = weights + logits + prefill
+    if device.type == "cuda":
+        limit, where = torch.cuda.get_device_properties(device).total_memory, "the GPU holds"
+    else:
+        limit, where = psutil.virtual_memory().available, "of RAM available"
+    if need > limit:
+        raise UserError(
+            f"eval.lengths={list(e.lengths)}: {rows} sequence(s) of {length} tokens need about "
+            f"{need / GB:.1f} GB (logits [{rows}, {length}, {vocab_rows}]: {logits / GB:.1f} GB, "
+            f"the prefill's activations {prefill / GB:.1f} GB, the weights {weights / GB:.1f} "
+            f"GB), over the {limit / GB:.1f} GB {where}: lower eval.lengths or eval.batch_size")

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from ckpt.reader import Checkpoint
 from ckpt.saved_config import literal
 from trainer.config import CONF_DIR, TrainConfig, command_line_overrides, register_configs
-from trainer.entry import check_overrides, exits_on_user_error
+from trainer.entry import arrange_argv, check_overrides, exits_on_user_error
 from trainer.errors import UserError
 from trainer.evals.decoding import REPLACEMENT
 
@@ -234,4 +234,5 @@ def _tokenizer(cfg: DictConfig):
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:], config_name="generate")
+    sys.argv[1:] = arrange_argv(sys.argv[1:])  # Hydra's flags anywhere on the line
     main()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
+from ckpt.destination import stranded_note
 from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import MODEL_WEIGHT, Checkpoint, CheckpointError
@@ -31,7 +32,8 @@ def open_load(load: str) -> Checkpoint:
     (its record read and checked); the run reads everything it needs from this object."""
     if not Path(load).exists():
         raise UserError(f"checkpoint.load={load}: no such file or directory; give a checkpoints "
-                        "root (e.g. outputs/<date>/<time>/checkpoints) or one iter_* directory")
+                        "root (e.g. outputs/<date>/<time>/checkpoints) or one iter_* directory"
+                        + stranded_note(Path(load)))
     try:
         ckpt = Checkpoint(resolve_checkpoint(load))
         ckpt.meta  # noqa: B018 (a record that cannot be read is refused here, first)

@@ -2,7 +2,7 @@
 
 Without apex or Transformer Engine megatron-core falls back to `torch.optim.AdamW` in its default
 multi-tensor (foreach) form: several passes over every fp32 state tensor per step. On the GPU
-`use_fused_adam` switches it to torch's fused AdamW, one pass (docs/benchmarks.md); its grad norm
+`use_fused_adam` switches it to torch's fused AdamW, one pass; its grad norm
 and main-to-model param copy run through `parallel.multi_tensor` (no host sync per tensor).
 """
 

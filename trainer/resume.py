@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
-from ckpt.saved_config import SavedConfigError, read_saved_config
+from ckpt.saved_config import SavedConfigError, read_saved_config, unresolved_env
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ def check_settings(saved: DictConfig, cfg: DictConfig, step: int, where: str) ->
         raise ResumeSettingsError(
             f"trainer.max_steps={cfg.trainer.max_steps} is below the step of {where} ({step}): "
             f"set trainer.max_steps >= {step}")
-    old, new = _flat(saved), _flat(cfg)
+    # the saved config's strings are literal (ckpt.saved_config); this run's as it will save
+    # them: an environment interpolation's text, never its value (it would be logged)
+    old, new = _flat(OmegaConf.to_container(saved, resolve=True)), _flat(unresolved_env(cfg))
     changed = {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k]}
     schedule = [f"{k} {a} -> {b}" for k, (a, b) in changed.items() if k in SCHEDULE]
     if schedule and not cfg.checkpoint.override_scheduler:
@@ -96,7 +98,7 @@ def _consequence(key: str) -> str:
     return "the saved weights continue under the new setting"
 
 
-def _flat(cfg: DictConfig) -> dict[str, Any]:
+def _flat(values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -106,7 +108,7 @@ def _flat(cfg: DictConfig) -> dict[str, Any]:
         else:
             out[prefix[:-1]] = node
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    walk(values, "")
     return out
 
 
@@ -118,3 +120,14 @@ def apply_optimizer_settings(optimizer: Any, scheduler: Any, cfg: DictConfig) ->
     for group in optimizer.param_groups:
         group.update(max_lr=t.lr, min_lr=t.min_lr, betas=(t.adam_beta1, t.adam_beta2))
     scheduler.step(increment=0)
+
+
+def check_finished(cfg: DictConfig, source: Checkpoint) -> None:
+    """A resume from a run's last step trains nothing: say so, and how to train on (a
+    max_steps below the step is `check_resume`'s refusal)."""
+    step, last = source.meta.step, cfg.trainer.max_steps
+    if step == last:
+        raise UserError(f"checkpoint.load={cfg.checkpoint.load} is at step {step} and "
+                        f"trainer.max_steps is {last}: that run is finished. To train on from "
+                        f"it, raise trainer.max_steps (e.g. trainer.max_steps={step + last}); "
+                        "the schedule then decays over the longer run")

@@ -1,11 +1,14 @@
 """One run per run directory, and no run that silently mixes with another's checkpoints.
 
-- Rank 0 holds `run.lock` (an `fcntl.flock`, holding its pid and host) for the process's life:
-  the OS releases it on any exit, SIGKILL included, so it is never stale; a second run into the
-  directory is refused naming the holder. A `checkpoint.dir` outside the run directory gets the
-  same lock, and one inside another run's directory is refused: two runs with different run
-  directories but one checkpoints root would corrupt each other's saves.
-- `checkpoint.dir` must be writable (checked on every rank before anything is built).
+- Rank 0 holds `run.lock` (`ckpt.lock`: an `fcntl.flock`, holding its pid and host) for the
+  process's life: the OS releases it on any exit, SIGKILL included, so it is never stale; a
+  second run into the directory is refused naming the holder. `checkpoint.dir` gets the same
+  lock wherever it lies (inside the run directory too), and one inside a directory another
+  process holds is refused: two runs with one checkpoints root would corrupt each other's saves,
+  and `checkpoint.overwrite` would remove the other's. `python -m ckpt` commands honour the
+  same locks. `trainer.eval` holds its own run directory and refuses a training run's.
+- The run directory must be writable with space left, `checkpoint.dir` writable (checked on
+  every rank before anything is built).
 - A run into a directory whose `checkpoint.dir` holds checkpoints must resume from the newest of
   them, or say `checkpoint.overwrite=true`: then every checkpoint after the step it starts at
   (all of them for a fresh run) is removed first, so the tracker never moves back while stale
@@ -18,13 +21,10 @@ its `UserError` when the job starts (`raise_refusal`), on every rank.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,13 +33,13 @@ import torch.distributed as dist
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
+from ckpt import disk, lock
+from ckpt.inspect import human_bytes
 from ckpt.paths import TRACKER, checkpoint_name, resolve_checkpoint
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
 
-LOCK = "run.lock"
-_held: dict[Path, int] = {}  # run directory -> the open lock file, kept for the process's life
 _refusal: list[UserError] = []
 
 
@@ -48,25 +48,33 @@ class RunDirError(UserError):
 
 
 def hold(run_dir: Path, name: str = "run directory", setting: str = "hydra.run.dir") -> None:
-    """Take the directory's lock for the rest of this process, or raise naming its holder
-    (`name` and `setting`: what the message calls the directory and the setting to change)."""
-    run_dir = run_dir.absolute()
-    if run_dir in _held:
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    """Take the directory's lock (`ckpt.lock`) for the rest of this process, or raise naming
+    its holder (`name` and `setting`: what the message calls the directory and the setting to
+    change); a directory that cannot be created or written is refused."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.hold(run_dir)
+    except lock.InUse as e:
+        raise RunDirError(f"{name} {e.directory} is in use by {e.holder}: choose another "
+                          f"{setting}, or wait for that run to end") from None
     except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-            raise
-        holder = (run_dir / LOCK).read_text().strip() or "another process"
-        raise RunDirError(f"{name} {run_dir} is in use by {holder}: choose another {setting}, "
-                          "or wait for that run to end") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-    _held[run_dir] = fd
+        raise RunDirError(f"{setting}={run_dir.absolute()} is not writable ({e.strerror}): "
+                          f"choose a writable {setting}") from None
+
+
+def check_space(run_dir: Path) -> None:
+    """Refuse a run directory on a read-only or full file system (its config, log and metrics
+    would fail to be written, each with a traceback)."""
+    above = run_dir.absolute()
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if os.statvfs(above).f_flag & os.ST_RDONLY:
+        raise RunDirError(f"hydra.run.dir={run_dir.absolute()} is not writable (Read-only file "
+                          "system): choose a writable hydra.run.dir")
+    free = disk.free_bytes(run_dir)
+    if free < disk.LOW_WATER_BYTES:
+        raise RunDirError(f"hydra.run.dir={run_dir.absolute()}: its file system is full "
+                          f"({human_bytes(free)} free): free space, or choose another "
+                          "hydra.run.dir")
 
 
 def checkpoints_root(cfg: DictConfig, run_dir: Path) -> Path:
@@ -91,36 +99,18 @@ def check_writable(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def hold_checkpoints(cfg: DictConfig, run_dir: Path) -> None:
-    """Lock a `checkpoint.dir` that lies outside the run directory (inside, the run directory's
-    lock covers it), after refusing one inside a directory another process holds."""
+    """Lock `checkpoint.dir` wherever it lies (inside the run directory too: another run may
+    have chosen it as its own absolute `checkpoint.dir`), after refusing one inside a directory
+    another process holds."""
     if not cfg.checkpoint.save:
         return
     check_writable(cfg, run_dir)
-    root, run_dir = checkpoints_root(cfg, run_dir).absolute(), run_dir.absolute()
-    if root == run_dir or run_dir in root.parents:
-        return
-    for parent in root.parents:
-        if parent not in _held and _held_by_another(parent / LOCK):
-            holder = (parent / LOCK).read_text().strip() or "another process"
-            raise RunDirError(f"checkpoint.dir {root} lies in the run directory {parent}, in use "
-                              f"by {holder}: choose another checkpoint.dir, or wait for that run "
-                              "to end")
+    root = checkpoints_root(cfg, run_dir).absolute()
+    if above := lock.held_above(root):
+        raise RunDirError(f"checkpoint.dir {root} lies in {above[0]}, a directory in use by "
+                          f"{above[1]}: choose another checkpoint.dir, or wait for that run to "
+                          "end")
     hold(root, "checkpoint.dir", "checkpoint.dir")
-
-
-def _held_by_another(lock: Path) -> bool:
-    """Whether some process holds `lock` (taken and released at once when free)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        return e.errno in (errno.EWOULDBLOCK, errno.EACCES)
-    finally:
-        os.close(fd)  # closing releases a lock taken here
-    return False
 
 
 def saved_steps(root: Path) -> list[int]:
@@ -172,6 +162,20 @@ def drop_checkpoints_after(root: Path, step: int) -> None:
     log.warning("checkpoint.overwrite: removed the checkpoints of %s after step %d", root, step)
 
 
+def check_not_another_jobs(run_dir: Path, job_name: str) -> None:
+    """`trainer.eval`: refuse a run directory that holds another job's outputs (a training
+    run's `.hydra/`, log, metrics or checkpoints), which Hydra would overwrite."""
+    found = [name for name in ("train.log", "metrics.jsonl", "checkpoints")
+             if (run_dir / name).exists()]
+    if (run_dir / ".hydra").is_dir() and not (run_dir / f"{job_name}.log").is_file():
+        found.insert(0, ".hydra/")
+    if found:
+        raise RunDirError(f"hydra.run.dir={run_dir} holds another job's outputs "
+                          f"({', '.join(found)}: a training run's?), whose .hydra/config.yaml "
+                          "and overrides.yaml this evaluation would overwrite: choose another "
+                          f"hydra.run.dir (e.g. {run_dir}-{job_name})")
+
+
 class ClaimRunDir(Callback):
     """Hydra callback of `python -m trainer`: lock and check the run directory on rank 0
     before Hydra writes into it; a refusal mutes Hydra's outputs and waits for the job."""
@@ -181,9 +185,7 @@ class ClaimRunDir(Callback):
             return
         run_dir = Path(str(config.hydra.run.dir)).absolute()
         try:
-            hold(run_dir)
-            hold_checkpoints(config, run_dir)
-            check_checkpoints(config, run_dir)
+            self.claim(config, run_dir)
         except RunDirError as e:
             _refusal.append(e)
             with read_write(config.hydra), open_dict(config.hydra):
@@ -193,10 +195,29 @@ class ClaimRunDir(Callback):
                     del logging_cfg.handlers["file"]
                     logging_cfg.root.handlers = [h for h in logging_cfg.root.handlers
                                                  if h != "file"]
+                if not run_dir.is_dir():  # Hydra would create it (or fail to: read-only)
+                    config.hydra.run.dir = os.getcwd()
+
+    def claim(self, config: DictConfig, run_dir: Path) -> None:
+        check_space(run_dir)
+        hold(run_dir)
+        hold_checkpoints(config, run_dir)
+        check_checkpoints(config, run_dir)
+
+
+class ClaimEvalDir(ClaimRunDir):
+    """Hydra callback of `python -m trainer.eval`: its run directory is its own (locked), never
+    a training run's."""
+
+    def claim(self, config: DictConfig, run_dir: Path) -> None:
+        check_not_another_jobs(run_dir, str(config.hydra.job.name))
+        check_space(run_dir)
+        hold(run_dir)
 
 
 def raise_refusal() -> None:
-    """Raise the refusal `ClaimRunDir` recorded on rank 0, on every rank."""
+    """Raise the refusal `ClaimRunDir` (or `ClaimEvalDir`) recorded on rank 0, on every
+    rank."""
     message = [str(_refusal[0]) if _refusal else ""]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)

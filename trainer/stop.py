@@ -1,11 +1,14 @@
-"""Save and stop on SIGTERM or SIGUSR1: what a scheduler's preemption, `timeout`, torchrun's
-shutdown or SLURM's `--signal=USR1@60` send before they kill a job.
+"""Save and stop on SIGTERM or SIGUSR1 (what a scheduler's preemption, `timeout`, torchrun's
+shutdown or SLURM's `--signal=USR1@60` send before they kill a job) and on SIGINT (Ctrl-C).
 
 The handler only records the signal; the training loop asks before each step, every rank agreeing
 on the step (a rank that got the signal late must not skip the collective save), saves a checkpoint
 and ends with status 128 + signal, so that rerunning with `checkpoint.load=` loses nothing. A
-second signal while stopping ends the process at once, as the first would have without us. The
-handler is installed when training starts: a signal during setup ends the process as before.
+second signal while stopping ends the process at once, as the first would have without us (a
+second SIGINT as KeyboardInterrupt, which `python -m trainer` reports in one line after the save
+it cut short removed its `iter_N.tmp`). The handler is installed when training starts: a signal
+during setup ends the process as before. A SIGINT the process ignores (a job started in the
+background by a shell) stays ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Stopped(Exception):
@@ -33,15 +36,16 @@ class Stopped(Exception):
 
 
 class StopOnSignal:
-    """Records SIGTERM / SIGUSR1 while installed (main thread only; elsewhere it records
-    nothing and the signals keep their handlers)."""
+    """Records SIGTERM / SIGUSR1 / SIGINT while installed (main thread only; elsewhere it
+    records nothing and the signals keep their handlers)."""
 
     def __init__(self) -> None:
         self.signum = 0
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._record)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.signum:  # the second signal: stop now, the way the default handler would

@@ -12,16 +12,16 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ckpt.disk import space_shortfall
 from ckpt.load import load_checkpoint
 from ckpt.meta import CheckpointMeta
 from ckpt.reader import Checkpoint
 from ckpt.save import save_checkpoint
+from ckpt.saved_config import unresolved_env, written_settings
 from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import build_model
-from models.schema import AttentionConfig, ModelConfig
 from parallel.distributed import (
     Topology,
     init_process_group,
@@ -37,11 +37,16 @@ from trainer.defaults import (
     resolve_schedule,
     set_sizes,
 )
-from trainer.evals.passkey import PasskeyMix
+from trainer.evals.retrieval_mix import PasskeyMix
 from trainer.init_from import adopt_saved_model, open_load
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.resume import apply_optimizer_settings, check_resume, saved_run_config
+from trainer.resume import (
+    apply_optimizer_settings,
+    check_finished,
+    check_resume,
+    saved_run_config,
+)
 from trainer.run_dir import (
     RunDirError,
     check_checkpoints,
@@ -112,6 +117,7 @@ class Trainer:
         start = adopt_saved_model(cfg, source) if source else None
         resume_from = source if source and not start else None
         if resume_from:
+            check_finished(cfg, resume_from)
             check_resume(cfg, resume_from)
         check_checkpoints(cfg, run_dir)
         check_writable(cfg, run_dir)
@@ -144,8 +150,8 @@ class Trainer:
             drop_checkpoints_after(checkpoints_root(cfg, run_dir), self.step)
         self.metrics = MetricsLogger(
             run_dir, enabled=self.topo.is_main, start_step=self.step, wandb_cfg=cfg.logger,
-            config=OmegaConf.to_container(cfg, resolve=True)
-            | {"attention_kernel": self.attention_kernel}, wandb_id=wandb_id,
+            config=unresolved_env(cfg) | {"attention_kernel": self.attention_kernel},
+            wandb_id=wandb_id,
         )
         # every rank saves the same common state (megatron compares it across ranks)
         self.wandb_id = _from_rank0(self.metrics.wandb_id if self.topo.is_main else None)
@@ -214,9 +220,11 @@ class Trainer:
         )
         self.peak = peak_tflops(self.device)
         log.info("model %s: %.2fM parameters on this rank, attention=%s (kernel %s), %s, %s%s",
-                 cfg.model.name,
+                 unresolved_env(cfg)["model"]["name"],  # never an environment value
                  sum(p.numel() for c in built.chunks for p in c.parameters()) / 1e6,
-                 cfg.attention.kind, self.attention_kernel, self.topo.layout.describe(),
+                 cfg.attention.kind + (" + head gate" if cfg.attention.head_wise_attn_gate
+                                       else ""), self.attention_kernel,
+                 self.topo.layout.describe(),
                  self.device.type, " bf16" if c.bf16 else " fp32")
 
     def _resume(self, ckpt: Checkpoint) -> str | None:
@@ -260,14 +268,11 @@ class Trainer:
     def save(self) -> Path:
         cfg = self.cfg
         root = checkpoints_root(cfg, self.run_dir)
-        meta = CheckpointMeta(
-            model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)),
-            attention=AttentionConfig(**OmegaConf.to_container(cfg.attention, resolve=True)),
-            layout=self.topo.layout, seq_length=cfg.trainer.seq_length,
+        meta = CheckpointMeta(  # model, attention, run_config: `${oc.env:...}` never resolved
+            **written_settings(cfg), layout=self.topo.layout, seq_length=cfg.trainer.seq_length,
             vocab_size=self.real_vocab, tokenizer=str(cfg.data.tokenizer), step=self.step,
             consumed_samples=self.consumed_samples, seed=cfg.trainer.seed,
-            wandb_id=self.wandb_id, hf_source=self.hf_source,
-            run_config=OmegaConf.to_yaml(cfg, resolve=True))
+            wandb_id=self.wandb_id, hf_source=self.hf_source)
         t0 = time.perf_counter()
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, meta,
                                cfg.checkpoint.thread_count)

@@ -17,8 +17,10 @@ import torch.distributed as dist
 import yaml
 from omegaconf import DictConfig
 
+from ckpt.saved_config import ENV_INTERPOLATION, unresolved_env
 from models.options import BuildOptions
 from models.schema import ParallelConfig, head_dim_of
+from models.validation import MAX_LENGTH, SettingError, check_settings
 from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
 from trainer.config import CONF_DIR, build_options, command_line_overrides
 from trainer.errors import UserError
@@ -36,6 +38,8 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
     _at_least(t, "micro_batch_size", 1)
     _at_least(t, "global_batch_size", 1)
     _at_least(t, "seq_length", 1)
+    if t.seq_length > MAX_LENGTH:
+        raise UserError(f"trainer.seq_length={t.seq_length} must be at most {MAX_LENGTH}")
     _at_least(t, "log_interval", 1, "(log every N steps)")
     _at_least(t, "save_interval", 0, "(0: no periodic saves)")
     _at_least(t, "eval_interval", 0, "(0: no evaluation)")
@@ -49,9 +53,11 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
         raise UserError(f"trainer.min_lr ({t.min_lr:g}) must be in [0, trainer.lr ({t.lr:g})]: "
                         "the decay ends at it; lower it, or leave it unset (lr / 10)")
     device, bf16 = placement(t.device, t.precision)
+    check_model_values(cfg.model, cfg.attention)
     _check_micro_batches(cfg, check_layout(cfg.parallel, cfg.model.num_layers, t.seq_length,
                                            world_size))
     _check_data(cfg.data)
+    check_wandb_settings(cfg)
     if cfg.eval.train_tasks:
         check_suite_settings(cfg.eval)
         p = cfg.parallel
@@ -88,8 +94,11 @@ def validate_eval(cfg: DictConfig) -> None:
                         f"{cfg.parallel.tp})")
     placement(cfg.trainer.device, cfg.trainer.precision)
     check_layout(p, None, None, None)
-    if cfg.eval.lengths is not None and (not cfg.eval.lengths or min(cfg.eval.lengths) < 1):
-        raise UserError(f"eval.lengths={list(cfg.eval.lengths)}: give positive context lengths")
+    check_wandb_settings(cfg)
+    lengths = cfg.eval.lengths
+    if lengths is not None and (not lengths or not 1 <= min(lengths) <= max(lengths) <= MAX_LENGTH):
+        raise UserError(f"eval.lengths={list(lengths)}: give positive context lengths (at most "
+                        f"{MAX_LENGTH})")
 
 
 def check_datasets(train_len: int, valid_len: int, cfg: DictConfig) -> None:
@@ -125,26 +134,12 @@ def check_attention_selection(overrides: list[str]) -> None:
 
 def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
                 options: BuildOptions = BuildOptions()) -> None:
-    """The model's shape and attention settings, through the same megatron config the model
+    """The model's shape and attention settings: typed and in range (`models.validation`, the
+    check every source of a model shares), then through the same megatron config the model
     factory builds (its ValueErrors become one-line user errors, before any tensor exists)."""
     from models.gpt import tp_problems, transformer_config
 
-    _at_least(model, "num_layers", 1, prefix="model")
-    _at_least(model, "hidden_size", 1, prefix="model")
-    _at_least(model, "num_attention_heads", 1, prefix="model")
-    _within(model, "layernorm_epsilon", 0, low_open=True, prefix="model")
-    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
-    if groups < 1 or heads % groups:
-        raise UserError(f"model.num_attention_heads ({heads}) must be divisible by "
-                        f"model.num_query_groups ({groups}): every query group serves the same "
-                        "number of heads; choose a num_query_groups that divides the head count")
-    if model.kv_channels is None and model.hidden_size % heads:
-        raise UserError(f"model.hidden_size ({model.hidden_size}) must be divisible by "
-                        f"model.num_attention_heads ({heads}), or set model.kv_channels")
-    if head_dim_of(model) % 2:
-        raise UserError(f"the head dimension ({head_dim_of(model)}) must be even: RoPE rotates "
-                        "pairs of channels; change model.hidden_size, num_attention_heads or "
-                        "kv_channels")
+    check_model_values(model, attention)
     problems = tp_problems(model, parallel.tp)
     if problems:
         raise UserError("; ".join(problems) + ": change parallel.tp or the model")
@@ -153,6 +148,31 @@ def check_model(model: DictConfig, attention: DictConfig, parallel: DictConfig,
             tp=parallel.tp, cp=parallel.cp, sequence_parallel=parallel.sequence_parallel), options)
     except ValueError as err:
         raise UserError(f"model/attention settings: {err}") from err
+
+
+def check_model_values(model: DictConfig, attention: DictConfig) -> None:
+    """`models.validation.check_settings` as a user error (before any size is used: a billion
+    layers hung the layout check and megatron's config)."""
+    try:
+        check_settings(model, attention)
+    except SettingError as err:
+        raise UserError(str(err)) from None
+
+
+def check_wandb_settings(cfg: DictConfig) -> None:
+    """wandb writes its project, entity, group, name and tags into its own files (debug.log, the
+    run file): one read from the environment (`${oc.env:NAME}`) would land there resolved, so
+    it is refused (the run's config goes to wandb with such values as their text)."""
+    if not cfg.logger.wandb:
+        return
+    logger = unresolved_env(cfg)["logger"]
+    for key in ("project", "entity", "group", "name", "tags"):
+        value = logger.get(key)
+        if any(isinstance(v, str) and ENV_INTERPOLATION.search(v)
+               for v in (value if isinstance(value, list) else [value])):
+            raise UserError(f"logger.{key}={value} reads the environment, and wandb writes its "
+                            f"{key} into its own files (debug.log), where it would be resolved: "
+                            f"give logger.{key} as text, or set logger=none")
 
 
 def check_kernel(name: str, cuda: bool, head_dim: int | None = None) -> None:

@@ -127,8 +127,8 @@ def fa4_takes_head_dim(head_dim: int) -> bool:
     kernel but to 32 in the float32 accumulators' post-processing (dQ; dK/dV under GQA), 64 on
     both sides above 128, so up to 128 the two agree only at multiples of 32. On the H100 FA4's
     own causal backward gave dq 1.1 off (relative) at head dims 72 and 80, and dk, dv too with
-    GQA (docs/benchmarks.md, "DCA's passes, its pieces, ..."); the upstream fix, one rounding
-    for both, is Dao-AILab/flash-attention pull request 2896 (open as of 2026-11).
+    GQA (docs/benchmarks.md, "Attention kernels"); the upstream fix, one rounding for both, is
+    https://github.com/Dao-AILab/flash-attention/pull/2896 (open as of 2026-11).
     """
     return head_dim % 32 == 0 or head_dim > 128
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from models.attention.dca.grouped import check_backward
+from models.attention.dca.plan import check_backward
 from models.attention.dca.scaling import DCAScaling
 from models.schema import AttentionConfig
 

@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -52,10 +51,12 @@ def _eval_json(trained: int) -> dict:
                                             PositionBucket(192, 256, 4.0, 64)])]
     # two layers; 256: mass at distances [0, 128) and [128, 256)
     attention = [AttentionPoint(256, [128, 255], [0, 128], [2.0, 3.0], [[0.9, 0.1], [0.7, 0.3]])]
-    return {"label": "standard+yarn(s=2,T0=128)", "trained_length": trained,
-            "passkey": [asdict(c) for c in passkey], "multikey": [asdict(c) for c in multikey],
-            "perplexity": [asdict(p) | {"perplexity": math.exp(p.nll)} for p in points],
-            "attention_by_distance": [asdict(a) for a in attention]}
+    from trainer.evals.results import EvalResults
+
+    return EvalResults(checkpoint="c", step=0, trained_attention="standard", attention={},
+                       label="standard+yarn(s=2,T0=128)", rope={}, trained_length=trained,
+                       passkey=passkey, multikey=multikey, perplexity=points,
+                       attention_by_distance=attention).to_dict()
 
 
 def test_table_reads_eval_json(tmp_path: Path) -> None:

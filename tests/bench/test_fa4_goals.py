@@ -1,4 +1,4 @@
-"""bench/fa4_goals.py: issue 32's goals read off bench.attention (with --paired fa4) and
+"""bench/fa4_goals.py: the DCA-on-FA4 targets read off bench.attention (with --paired fa4) and
 bench/train.py rows."""
 
 from __future__ import annotations

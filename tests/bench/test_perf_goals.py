@@ -1,4 +1,4 @@
-"""bench/perf_goals.py: issue 18's goals read off bench.attention and bench/train.py rows."""
+"""bench/perf_goals.py: the single-GPU targets read off bench.attention and bench/train.py rows."""
 
 from __future__ import annotations
 

@@ -40,6 +40,10 @@ FAMILIES = {
         **COMMON, tie_word_embeddings=tied, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0,
             original_max_position_embeddings=16))),
+    # SmolLM2-style: a Llama with plain RoPE (no scaling of its own).
+    "llama-plain": lambda tied: LlamaForCausalLM(LlamaConfig(
+        **COMMON, tie_word_embeddings=tied, rope_parameters=dict(rope_type="default",
+                                                                 rope_theta=100000.0))),
     "mistral": lambda tied: MistralForCausalLM(MistralConfig(
         **COMMON, tie_word_embeddings=tied, sliding_window=None)),
 }

@@ -1,4 +1,4 @@
-"""Issue 31: the destinations of `python -m ckpt` commands under attack.
+"""The destinations of `python -m ckpt` commands under attack.
 
 Two commands writing the same new DST at once (the second must not replace the first without
 --overwrite), a DST under a file or on a read-only file system (one `error:` line before any

@@ -1,6 +1,6 @@
-"""Attacks through the file system on the checkpoint tools (issue 31, rows 2, 11 and the "Also"
-list): signals during an `--overwrite`, stale temporary directories of killed commands, a
-destination that appears meanwhile, full disks, symlinked trackers. Start the next attack here."""
+"""Attacks through the file system on the checkpoint tools: signals during an `--overwrite`, stale
+temporary directories of killed commands, a destination that appears meanwhile, full disks,
+symlinked trackers. Start the next attack here."""
 
 from __future__ import annotations
 
@@ -150,3 +150,56 @@ def test_a_symlinked_tracker_never_shows_what_it_points_at(root: Path, tmp_path:
     assert err.count("error:") == 1 and "SECRET" not in err and "\\x00" not in err, err
     if target != "/dev/zero":  # not a file: refused as no checkpoints root, unread
         assert "a symbolic link: its target is not shown" in err
+
+
+def test_export_hf_into_a_link_to_an_empty_directory_writes_there(root: Path,
+                                                                  tmp_path: Path) -> None:
+    """Before: the whole export ran, then `DST appeared while this command ran` (the commit's
+    exclusive rename met the link). A DST that is a link now stands for its target, decided
+    before any work."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    assert main(["export-hf", str(root), str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link"]
+
+
+def _under_file_size_limit(limit: int, argv: list[str]) -> subprocess.CompletedProcess:
+    """`python -m ckpt ARGV` with `ulimit -f` at `limit` bytes (Python ignores SIGXFSZ: a write
+    past the limit fails with EFBIG)."""
+    import resource
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", "ckpt", *argv], preexec_fn=limited,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # two interpreters importing torch and megatron: CI runs it
+def test_export_hf_under_a_file_size_limit_is_one_line(root: Path, tmp_path: Path) -> None:
+    """Before: `SafetensorError: File too large` and a traceback. 1.7 MB of weights: refused
+    before any work under a 256 KB limit; with shards of 100 KB, the 196 KB MLP weight crosses
+    a 150 KB limit while writing, and the partial output goes."""
+    dst = tmp_path / "hf"
+    early = _under_file_size_limit(256_000, ["export-hf", str(root), str(dst)])
+    assert early.returncode == 2 and len(early.stderr.strip().splitlines()) == 1, early.stderr
+    assert "may write files of at most 256.0 KB (ulimit -f)" in early.stderr
+    assert "--max-shard-bytes 128000" in early.stderr
+    late = _under_file_size_limit(150_000, ["export-hf", str(root), str(dst),
+                                            "--max-shard-bytes", "100000"])
+    assert late.returncode == 2 and len(late.stderr.strip().splitlines()) == 1, late.stderr
+    assert "a file reached this process's file-size limit of 150.0 KB (ulimit -f)" in late.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_size_limit_while_writing_removes_the_partial_output(tmp_path: Path) -> None:
+    import errno
+
+    with pytest.raises(DestinationError, match="file-size limit .* the partial output was "
+                                               "removed"):
+        with staged(tmp_path / "dst", overwrite=False) as tmp:
+            (tmp / "part").write_text("partial")
+            raise OSError(errno.EFBIG, "File too large")
+    assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,4 @@
-"""Issue 31: a hostile Hugging Face directory given to `python -m ckpt import-hf`.
+"""A hostile Hugging Face directory given to `python -m ckpt import-hf`.
 
 Absurd sizes are refused against the tensors present (no hang, no memory blow-up), index entries
 are confined to HF_DIR before any file is opened, and malformed configs, indexes and safetensors
@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,9 +63,13 @@ def test_the_pristine_copy_imports(hf: Path, capsys: pytest.CaptureFixture) -> N
 
 
 @pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
-def test_a_billion_layers_is_refused_fast_against_the_tensors_present(hf: Path) -> None:
-    """Listing 9 x 10^9 expected tensors hung at 2.9 GB; the layer count present decides."""
-    _edit(hf / "config.json", num_hidden_layers=1_000_000_000)
+@pytest.mark.parametrize(("layers", "why"), [(1_000_000_000, "must be a whole number in [1, 1024]"),
+                                             (1000, "layers 0..1")])
+def test_a_billion_layers_is_refused_fast_against_the_tensors_present(hf: Path, layers: int,
+                                                                     why: str) -> None:
+    """Listing 9 x 10^9 expected tensors hung at 2.9 GB; the bound on every model's layers
+    (models/validation.py) refuses it, and the layer count present decides below it."""
+    _edit(hf / "config.json", num_hidden_layers=layers)
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "ckpt", "import-hf", str(hf),
@@ -73,8 +78,8 @@ def test_a_billion_layers_is_refused_fast_against_the_tensors_present(hf: Path) 
     except subprocess.TimeoutExpired:
         pytest.fail("import-hf --dry-run still running after 120 s")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: ") and "num_hidden_layers=1000000000" in proc.stderr
-    assert "layers 0..1" in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and f"num_hidden_layers={layers}" in proc.stderr
+    assert why in proc.stderr, proc.stderr
     assert time.monotonic() - start < 120
 
 
@@ -201,3 +206,82 @@ def test_a_broken_single_model_file_is_named(tmp_path: Path, capsys) -> None:
     hf = save_hf(tmp_path / "one", "llama", tied=True)
     _truncate(hf / "model.safetensors")
     _refused(capsys, hf, "model.safetensors")
+
+
+# A "longctx" block as an export writes it (ckpt/hf_export.py), for the attacks below to damage.
+_DCA = {"attention": "dca", "head_wise_attn_gate": False, "qkv_bias": True,
+        "dca_chunk_size": 48, "dca_local_size": 6, "original_max_position_embeddings": 64}
+
+
+def _longctx(**changes: object) -> Callable[[Path], None]:
+    return lambda hf: _edit(hf / "config.json", longctx={**_DCA, **changes})
+
+
+def test_a_longctx_block_as_exported_imports(hf: Path, capsys) -> None:
+    _longctx()(hf)
+    assert main(["import-hf", str(hf), str(hf.parent / "dst"), "--dry-run"]) == 0
+    assert "attention dca" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("damage", "words"), [
+    # "false" is true in Python: the model imported as tied, its trained lm_head dropped
+    (lambda hf: _edit(hf / "config.json", tie_word_embeddings="false"),
+     ("tie_word_embeddings='false' must be true or false",)),
+    (lambda hf: _edit(hf / "config.json", attention_bias="no"), ("attention_bias='no'",)),
+    (lambda hf: _edit(hf / "config.json", use_sliding_window=0), ("use_sliding_window=0",)),
+    (lambda hf: _edit(hf / "config.json", hidden_act=5), ("hidden_act=5 must be a string",)),
+    (lambda hf: _edit(hf / "config.json", num_key_value_heads=3),
+     ("num_attention_heads (4) must be divisible by num_key_value_heads (3)",)),
+    (lambda hf: _edit(hf / "config.json", head_dim=15), ("head dimension (15) must be even",)),
+    (lambda hf: _edit(hf / "config.json", num_hidden_layers=10**9),
+     ("num_hidden_layers=1000000000 must be a whole number in [1, 1024]",)),
+    (lambda hf: _edit(hf / "config.json", vocab_size=10**9), ("vocab_size=1000000000",)),
+    # a hostile "longctx" block: 32-line `[rank0]` tracebacks before
+    (_longctx(dca_chunk_size=-5), ('"longctx".dca_chunk_size=-5 must be a whole number',)),
+    (_longctx(dca_chunk_size="abc"), ('"longctx".dca_chunk_size=\'abc\'',)),
+    (_longctx(dca_local_size=0), ('"longctx".dca_local_size=0',)),
+    (_longctx(dca_local_size=100), ('"longctx".dca_chunk_size (48) must exceed '
+                                    '"longctx".dca_local_size (100)',)),
+    (_longctx(attention="evil"), ('"longctx".attention=\'evil\' must be one of',)),
+    (_longctx(attention="chunked", chunk_size=[8]), ('"longctx".chunk_size=[8]',)),
+    (_longctx(head_wise_attn_gate="true"), ('"longctx".head_wise_attn_gate=\'true\'',)),
+    (_longctx(qkv_bias="yes"), ('"longctx".qkv_bias=\'yes\'',)),
+    (_longctx(dca_chunk_sise=64), ("dca_chunk_sise",)),
+    (lambda hf: _edit(hf / "config.json", longctx=[_DCA]), ("longctx=[", "object of settings")),
+])
+def test_wrongly_typed_settings_are_one_error_line(hf: Path, capsys, damage,
+                                                   words: tuple[str, ...]) -> None:
+    damage(hf)
+    _refused(capsys, hf, "config.json", *words)
+
+
+@pytest.mark.parametrize("carrier", ["auto_map", "file"])
+def test_remote_code_without_its_longctx_block_is_refused(hf: Path, capsys, carrier: str) -> None:
+    """An export of a DCA model whose config.json lost its block imported as standard
+    attention without a word."""
+    if carrier == "auto_map":
+        _edit(hf / "config.json", auto_map={
+            "AutoConfig": "configuration_longctx.LongCtxQwen2Config",
+            "AutoModelForCausalLM": "modeling_longctx.LongCtxQwen2ForCausalLM"})
+    else:
+        (hf / "modeling_longctx.py").write_text("# the export's remote code\n")
+    _refused(capsys, hf, "config.json", 'no "longctx" block')
+
+
+def test_nan_weights_import_with_one_warning_naming_the_tensor(tmp_path: Path, capfd) -> None:
+    """They imported without a word; now one warning line per tensor (the import completes, as
+    transformers loads such a file too: docs/failures.md)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = save_hf(tmp_path / "hf", "llama", tied=True)
+    weights = load_file(hf / "model.safetensors")
+    weights["model.norm.weight"][3] = float("nan")
+    weights["model.layers.1.mlp.up_proj.weight"][0, :2] = float("inf")
+    save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    assert main(["import-hf", str(hf), str(tmp_path / "dst")]) == 0
+    warnings = [line for line in capfd.readouterr().err.splitlines()
+                if line.startswith("warning: ")]
+    assert len(warnings) == 2, warnings
+    assert "tensor model.norm.weight holds 1 NaN or infinite values" in warnings[0] \
+        or "tensor model.norm.weight holds 1 NaN or infinite values" in warnings[1], warnings
+    assert any("model.layers.1.mlp.up_proj.weight holds 2" in w for w in warnings), warnings

@@ -1,6 +1,6 @@
 """Attacks through a checkpoint's saved run config (`extra.run_config`, or `extra.config` in the
 record's older format, which ckpt parses for the model): interpolations that read the
-environment, YAML anchors that expand without bound (issue 31, rows 5 and 6). Every reader goes
+environment, YAML anchors that expand without bound. Every reader goes
 through `ckpt.saved_config.read_saved_config`, and every saved value that meets omegaconf through
 `ckpt.saved_config.literal`; start the next attack here."""
 

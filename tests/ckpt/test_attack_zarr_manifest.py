@@ -1,5 +1,5 @@
-"""Attacks through a zarr export's `manifest.json` on `python -m ckpt import` (issue 31, row 3 and
-the bad manifests of its "Also" list): each is refused in one `error:` line before anything is
+"""Attacks through a zarr export's `manifest.json` on `python -m ckpt import` (a
+manifest that lies, or a malformed one): each is refused in one `error:` line before anything is
 written. Start the next attack here."""
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ ATTACKS = {
     "array missing": (_set(["tensors", KEY, "path"], "arrays/none"), "arrays/none is missing"),
     "no common": (_drop("common"), "common: missing"),
     "a list": (lambda m: [m], "not a longctx-zarr v1 manifest"),
+    # the record (`common.extra`, and its copy `meta`) is read as every reader reads it: a
+    # billion layers imported, then hung `reshape` and a resume
+    "record: a billion layers": (_set(["common", "extra", "model", "num_layers"], 10**9),
+                                 "model.num_layers=1000000000 must be a whole number in [1, "),
+    "record: layers as text": (_set(["meta", "model", "num_layers"], "abc"),
+                               "meta: the checkpoint's record is damaged or edited: "
+                               "model.num_layers='abc'"),
+    "record: vocabulary -1": (_set(["common", "extra", "vocab_size"], -1), "vocab_size=-1"),
+    "record: another step": (_set(["step"], 7), "step: 7, but common.extra records step 4"),
 }
 
 

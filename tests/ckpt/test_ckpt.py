@@ -247,12 +247,24 @@ def test_reshape_refuses_a_non_empty_destination_and_impossible_sizes(root: Path
     assert code == 2 and "must not be, contain or lie inside the source" in out
 
 
-@pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
-def test_the_cli_explains_itself() -> None:
-    out = subprocess.run([sys.executable, "-m", "ckpt", "reshape", "--help"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+def test_the_cli_explains_itself(capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["reshape", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
     for flag in ("--target-tp", "--dry-run", "--overwrite", "--model-only", "--verify"):
         assert flag in out
+
+
+@pytest.mark.slow  # a new interpreter
+def test_the_command_line_refuses_in_one_line_with_exit_2(tmp_path: Path) -> None:
+    """`python -m ckpt` as typed: a user error is one `error:` line and exit status 2."""
+    proc = subprocess.run([sys.executable, "-m", "ckpt", "inspect", str(tmp_path / "nope")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "nope" in lines[0] and "Traceback" not in output, output[-3000:]
 
 
 @pytest.mark.slow

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from ckpt.__main__ import main
 from ckpt.paths import checkpoint_name, resolve_checkpoint
-from tests.conftest import FAST, alive, compose_config, read_metrics
+from tests.conftest import FAST, ModuleRun, alive, compose_config, read_metrics, start_module
 from trainer.train import Trainer
 
 pytestmark = pytest.mark.slow
@@ -24,13 +22,19 @@ pytestmark = pytest.mark.slow
 BIG = ["model.hidden_size=512", "model.num_layers=4", "model.ffn_hidden_size=1536"]
 
 
-def save_in_progress(root: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> Path:
+def _start(args: list[str], cwd: Path) -> ModuleRun:
+    """`python -m trainer args` in its own session (so a kill of its group reaches megatron's
+    writer processes too, as a job kill would), forked from the preloaded server."""
+    return start_module("trainer", args, cwd, new_session=True)
+
+
+def save_in_progress(root: Path, proc: ModuleRun, timeout: float = 300) -> Path:
     """The `iter_*.tmp` directory of a save after the first, once it holds a file."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError("the run ended before a save could be interrupted:\n"
-                                 + log.read_text()[-3000:])
+                                 + "\n".join(proc.output())[-3000:])
         for tmp in root.glob("iter_*.tmp"):
             if tmp.name != checkpoint_name(1) + ".tmp" and any(tmp.iterdir()):
                 return tmp
@@ -42,13 +46,9 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resume_works(run_tra
                                                                           tmp_path: Path) -> None:
     root = tmp_path / "killed" / "checkpoints"
     args = FAST + BIG + ["trainer.max_steps=6", "trainer.save_interval=1", "hydra.run.dir=killed"]
-    # Its own session, so the kill reaches megatron's writer processes too, as a job kill would.
-    log = tmp_path / "killed.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
-                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    proc = _start(args, tmp_path)
     try:
-        partial = save_in_progress(root, proc, log)
+        partial = save_in_progress(root, proc)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         if proc.poll() is None:
@@ -69,14 +69,14 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resume_works(run_tra
     assert not partial.exists() and resolve_checkpoint(root) == root / checkpoint_name(step)
 
 
-def writer_alive(proc: subprocess.Popen, log: Path, timeout: float = 300) -> list[psutil.Process]:
+def writer_alive(proc: ModuleRun, timeout: float = 300) -> list[psutil.Process]:
     """Every process of `proc`'s tree, once one of megatron's forked writers is among them."""
     me = psutil.Process(proc.pid)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError("the run ended before a writer was seen:\n"
-                                 + log.read_text()[-3000:])
+                                 + "\n".join(proc.output())[-3000:])
         try:
             tree = me.children(recursive=True)
             if any(p.ppid() == proc.pid and p.cmdline() == me.cmdline() for p in tree):
@@ -89,13 +89,10 @@ def writer_alive(proc: subprocess.Popen, log: Path, timeout: float = 300) -> lis
 
 def test_sigkill_of_a_rank_mid_save_leaves_no_process_behind(tmp_path: Path) -> None:
     args = FAST + BIG + ["trainer.max_steps=50", "trainer.save_interval=1", "hydra.run.dir=run"]
-    log = tmp_path / "run.log"
-    with open(log, "w") as out:  # its own session, so a failure below can clean up after it
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
-                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    proc = _start(args, tmp_path)  # its own session, so a failure below can clean up after it
     tree: list[psutil.Process] = []
     try:
-        tree = writer_alive(proc, log)
+        tree = writer_alive(proc)
         os.kill(proc.pid, signal.SIGKILL)  # the rank only, as an OOM killer would
         proc.wait()
         deadline = time.monotonic() + 3

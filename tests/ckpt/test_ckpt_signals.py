@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import alive
+from tests.conftest import ModuleRun, alive, start_module
 
 pytestmark = pytest.mark.slow
 
 
-def workers_started(proc: subprocess.Popen, count: int, timeout: float = 120) -> list:
+def workers_started(proc: ModuleRun, count: int, timeout: float = 120) -> list:
     """The processes of `proc`'s tree once `count` spawned workers are running."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -48,17 +46,18 @@ def test_a_signal_to_the_parent_stops_everything_and_keeps_nothing(
     out = tmp_path / "out"
     out.mkdir()
     src = request.getfixturevalue("root" if command == "reshape" else "hf_dir")
-    cmd = [sys.executable, "-m", "ckpt", command, str(src), str(out / "dst"), "--target-tp", "2"]
-    # Its own session: the signal reaches the parent only, not a terminal's process group.
-    proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # `python -m ckpt ...` forked from the preloaded server (its workers are spawned, new
+    # interpreters, as always), in its own session: the signal reaches the parent only, not a
+    # terminal's process group.
+    proc = start_module("ckpt", [command, str(src), str(out / "dst"), "--target-tp", "2"],
+                        tmp_path, new_session=True)
     tree: list = []
     try:
         tree = workers_started(proc, 2)
         time.sleep(1)  # the workers are importing or loading
         os.kill(proc.pid, sig)
         start = time.monotonic()
-        output, _ = proc.communicate(timeout=30)
+        output = "".join(proc.communicate(timeout=30))
         took = time.monotonic() - start
         assert proc.returncode == 128 + sig, output[-2000:]
         assert f"interrupted by {sig.name}" in output

@@ -1,4 +1,4 @@
-"""Issue 15 item 2: what `import-hf` reads from config.json, and what it refuses. The configs
+"""What `import-hf` reads from config.json, and what it refuses. The configs
 come from transformers' own config classes (its defaults and serialisation, not ours)."""
 
 from __future__ import annotations

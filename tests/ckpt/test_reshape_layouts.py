@@ -128,15 +128,14 @@ def test_dry_run_lists_every_shard_before_and_after_and_writes_nothing(saved, ca
     assert lines[lines.index(f"{master}  384x128") + 2].split() == ["after", "(not", "written)"]
 
 
-def test_a_layout_the_model_cannot_take_is_refused(saved, capsys) -> None:
-    cwd, _ = saved
-    dst = cwd / "refused"
-    code = main(["reshape", str(cwd / "plain" / "checkpoints"), str(dst), "--target-pp", "3",
-                 "--target-tp", "3"])
+def test_a_layout_the_model_cannot_take_is_refused(root: Path, tmp_path: Path, capsys) -> None:
+    # The same model as `saved`'s runs, in the checkpoint tests' shared run (tests/ckpt/conftest.py)
+    dst = tmp_path / "refused"
+    code = main(["reshape", str(root), str(dst), "--target-pp", "3", "--target-tp", "3"])
     err = capsys.readouterr().err
     assert code == 2 and not dst.exists() and err.startswith("error: cannot reshape")
     assert len(err.strip().splitlines()) == 1, err
     assert "model.num_layers (2) is not divisible by --target-pp (3)" in err
     assert "model.num_attention_heads (4) is not divisible by 3" in err
-    code = main(["reshape", str(cwd / "plain" / "checkpoints"), str(dst)])
+    code = main(["reshape", str(root), str(dst)])
     assert code == 2 and "nothing to do" in capsys.readouterr().err

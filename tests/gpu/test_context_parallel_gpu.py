@@ -1,6 +1,6 @@
-"""Context parallelism on two GPUs over NCCL (issue 9); the CPU suite checks the same code with
+"""Context parallelism on two GPUs over NCCL; the CPU suite checks the same code with
 gloo in float64, this module checks the NCCL exchange and the bf16 kernels, under cuDNN and, where
-it imports, FlashAttention-4 (issue 32: every ring part through FA4, none falling back).
+it imports, FlashAttention-4 (every ring part through FA4, none falling back).
 
 - The CP=2 attention functions (standard, DCA, chunked with and without exchange) in bf16 are as
   close to a float32 dense reference on the whole sequence as the one-GPU bf16 functions are.

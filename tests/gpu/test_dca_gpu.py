@@ -32,7 +32,8 @@ def dca_reference_by_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chu
                           local_size: int, cu_seqlens: torch.Tensor | None = None,
                           part_factors: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Float64 DCA from SPEC.md's table: one rotated q per part, one dense softmax.
+    """Float64 DCA from its part table (models/attention/dca/attention.py): one rotated q per
+    part, one dense softmax.
 
     `part_factors` [s, 3]: logit factor of query i on each part (the length-dependent scaling).
     Returns the output and its float64 CPU leaves (q, k, v). Rotations run on the CPU (the
@@ -128,7 +129,7 @@ def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize(("chunk", "local"), [(8192, 1024), (2048, 256)])
 @pytest.mark.parametrize("hk", [16, 4])
 def test_peak_memory_within_1p3x_of_cudnn_at_32k(chunk: int, local: int, hk: int) -> None:
-    """Issue 18's memory goal on its shapes (B = 1, 16 query heads, d = 128, bf16)."""
+    """The memory target on its shapes (B = 1, 16 query heads, d = 128, bf16)."""
     def dca(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return dual_chunk_attention(q, k, v, chunk_size=chunk, local_size=local)
 

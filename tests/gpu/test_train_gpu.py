@@ -1,4 +1,4 @@
-"""End-to-end training on the GPU: a 350M DCA model at 32K still trains (issue 8), and full
+"""End-to-end training on the GPU: a 350M DCA model at 32K still trains, and full
 recompute that keeps the core attention (models/recompute.py) gives the gradients of no
 recompute on the cuDNN paths."""
 

@@ -1,4 +1,5 @@
-"""Dual Chunk Attention against a dense float64 reference built from SPEC.md's position table.
+"""Dual Chunk Attention against a dense float64 reference built from DCA's position table
+(models/attention/dca/attention.py).
 
 The reference rotates every (query i, key j) pair explicitly: the key to r_j, the query to the
 position its part prescribes (intra r_i, successive min(r_i + L, C), inter min(2L - 1, C)), then

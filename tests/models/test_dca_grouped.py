@@ -1,9 +1,9 @@
 """DCA's FA4 kernels (models/attention/dca/grouped.py, fa4_forward.py, fa4_backward.py), the
-CPU-checkable half: the kernels' tile-to-part rule against the dense part masks of SPEC.md's
-table, when each path applies, and the rotations (made again or kept from the forward) and the
-backward's pieces around the kernels, with float64 stand-ins of the kernels' contracts, against
-the dense reference. The dQ accumulators: test_dca_dq_parts.py. The kernels themselves run in
-tests/gpu/test_fa4_gpu.py."""
+CPU-checkable half: the kernels' tile-to-part rule against the dense part masks of DCA's part table
+(models/attention/dca/attention.py), when each path applies, and the rotations (made again or kept
+from the forward) and the backward's pieces around the kernels, with float64 stand-ins of the
+kernels' contracts, against the dense reference. The dQ accumulators: test_dca_dq_parts.py. The
+kernels themselves run in tests/gpu/test_fa4_gpu.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BLOCK = grouped.BLOCK
 
 
 def part_masks(seq: int, length: int) -> torch.Tensor:
-    """[3, s_q, s_k] which keys each query meets in each part (SPEC.md), from positions."""
+    """[3, s_q, s_k] which keys each query meets in each part, from positions."""
     pos = torch.arange(seq)
     n_q, n_k = (pos // length)[:, None], (pos // length)[None, :]
     causal = pos[None, :] <= pos[:, None]
@@ -192,7 +192,7 @@ def dense_kernel_forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tens
                          scale: float, length: int, successive_rows: int, out: torch.Tensor,
                          lse: torch.Tensor) -> None:
     """fa4_forward.forward's contract in dense float64: queries are the last s_q of the s_k key
-    rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q, the
+    rows; each part p meets the keys of its chunk distance with its rotated q, the
     successive part from the inter copy past a chunk's first `successive_rows` rows; one
     softmax over all of them, out and lse written in place."""
     batch, seq_q, heads, _ = out.shape
@@ -225,7 +225,7 @@ def dense_kernel_backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Ten
                           length: int, successive_rows: int, dk_out: torch.Tensor,
                           dv_out: torch.Tensor, accumulate: bool) -> DQParts:
     """fa4_backward.backward's contract in dense float64: queries are the last s_q of the s_k
-    key rows; each part p meets the keys of its chunk distance (SPEC.md) with its rotated q,
+    key rows; each part p meets the keys of its chunk distance with its rotated q,
     the successive part from the inter copy past a chunk's first `successive_rows` rows; P
     from the merged lse, dS from the merged out (the global-LSE recipe). dK and dV are written
     to (or added to) dk_out, dv_out, or with GQA added, dK unscaled, to the sums of

@@ -189,7 +189,9 @@ def test_matches_megatron_elementwise_gate_with_repeated_rows_forward_and_backwa
 
     x = hidden_states()
     probe = hidden_states(seed=5)
-    out, oracle_out = gated(x, None)[0], oracle(x, None)[0]
+    out = gated(x, None)[0]
+    with torch.compiler.set_stance("force_eager"):  # megatron's gate: its math, not a compile
+        oracle_out = oracle(x, None)[0]
     torch.testing.assert_close(out, oracle_out, rtol=1e-5, atol=1e-6)
     (out * probe).sum().backward()
     (oracle_out * probe).sum().backward()

@@ -98,6 +98,7 @@ def test_keep_attention_needs_full_recompute() -> None:
                           recompute_keep_attention=True)
 
 
+@pytest.mark.slow  # end to end, seconds: CI runs it, the quick lane leaves it
 def test_training_with_kept_attention_recompute(run_training) -> None:
     rows = run_training(["+attention=dca", "attention.dca_chunk_size=32",
                          "attention.dca_local_size=8", "trainer.recompute=full",

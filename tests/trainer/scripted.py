@@ -1,5 +1,5 @@
 """Fake causal language models for retrieval grading: a script picks each answer token from the
-prompt and the answer so far, at every position (so teacher forcing reads what greedy reads)."""
+prompt and the answer so far, at every position."""
 
 from __future__ import annotations
 
@@ -107,8 +107,7 @@ def noisy_script(tokenizer, seed: int, splits: Callable[[str], list[list[int]]])
 def greedy_continue(model: torch.nn.Module, prompts: torch.Tensor, steps: int,
                     vocab_size: int) -> torch.Tensor:
     """Greedy decoding of `steps` tokens after each prompt ([b, s] -> [b, steps]), re-running
-    the whole sequence per token: the evaluation's grading before teacher forcing, kept as the
-    tests' reference."""
+    the whole sequence per token: the tests' reference."""
     tokens = prompts
     for _ in range(steps):
         nxt = logits_of(model, tokens, vocab_size)[:, -1].argmax(dim=-1, keepdim=True)

@@ -1,8 +1,9 @@
-"""Issue 31: hostile inputs and signals for `python -m trainer.build_data`.
+"""Hostile inputs and signals for `python -m trainer.build_data`.
 
 An output prefix naming a directory (`o/` wrote the hidden `o/.bin`), a prefix under a file, a
 JSONL document holding a lone surrogate (a traceback from the tokenizer) end as one `error:`
-line before any output; SIGTERM removes the `PREFIX.bin.tmp-PID` it was writing. The next
+line before any output; SIGTERM removes the `PREFIX.bin.tmp-PID` it was writing; a FIFO is named
+as not a regular file (not as missing), a full disk in one line with nothing left. The next
 attacker of build_data starts here.
 """
 
@@ -77,4 +78,33 @@ def test_sigterm_removes_the_temporary_files(corpus: Path) -> None:
                           env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])})
     assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
     assert "error: interrupted by SIGTERM; nothing was written" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt"]
+
+
+@pytest.mark.parametrize("how", ["input", "files-from"])
+def test_a_fifo_is_named_as_not_a_regular_file(corpus: Path, capsys, how: str) -> None:
+    """Before: `input files not found` for a FIFO that is there."""
+    fifo = corpus.parent / "fifo"
+    os.mkfifo(fifo)
+    argv = [str(fifo)] if how == "input" else ["--files-from", str(fifo)]
+    _refused(capsys, [*argv, "--output-prefix", "ds"], f"{fifo} is not a regular file",
+             "a FIFO or pipe")
+    assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt", "fifo"]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(corpus: Path, capsys,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `OSError: [Errno 28] No space left on device` with a traceback."""
+    import errno
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    def full(self, tensor) -> None:
+        self.data_file.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_item", full)
+    _refused(capsys, [str(corpus), "--output-prefix", "ds"],
+             "no space left on device (ENOSPC) while writing ds.bin/.idx",
+             "the partial files were removed")
     assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt"]

@@ -1,4 +1,4 @@
-"""Attacks on the training run's `checkpoint.dir` (issue 31, rows 1, 10 and 11): shared between two
+"""Attacks on the training run's `checkpoint.dir`: shared between two
 runs, read-only, full at a save. Start the next attack here (the checkpoint tools' file-system
 attacks are in tests/ckpt/test_attack_filesystem.py)."""
 
@@ -18,7 +18,7 @@ import ckpt.save
 from ckpt import disk
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, REPO, compose_config
 from trainer.errors import UserError
 from trainer.train import train
 
@@ -128,9 +128,182 @@ def test_a_checkpoint_dir_inside_another_runs_directory_is_refused(tmp_path: Pat
     try:
         assert holder.stdout.readline().strip() == "held"
         cfg = compose_config([f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}"])
-        with pytest.raises(RunDirError, match=rf"lies in the run directory {tmp_path / 'a'}, in "
-                                              rf"use by pid {holder.pid} on"):
+        with pytest.raises(RunDirError, match=rf"lies in {tmp_path / 'a'}, a directory in use "
+                                              rf"by pid {holder.pid} on"):
             hold_checkpoints(cfg, tmp_path / "b")
     finally:
         holder.kill()
         holder.communicate()
+
+
+def test_a_disk_full_reported_by_torchs_checkpoint_exception_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: torch's save reports a writer's failure as `CheckpointException`, a
+    BaseException that `except Exception` missed: `RuntimeError: Worker failure ... unexpected
+    pos` as a traceback, and `iter_N.tmp` left."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    real_save = ckpt.save.dist_checkpointing.save
+    saves: list[str] = []
+
+    def save_until_full(state, directory, **kwargs):
+        saves.append(directory)
+        if len(saves) == 1:
+            return real_save(state, directory, **kwargs)
+        (Path(directory) / "__0_0.distcp").write_bytes(b"PK partial")
+        monkeypatch.setattr(disk, "free_bytes", lambda path: 0)
+        failure = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . "
+                               "unexpected pos 704 vs 598")
+        raise CheckpointException("write", {0: (failure, None)})
+
+    monkeypatch.setattr(ckpt.save.dist_checkpointing, "save", save_until_full)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(ckpt.save.DiskFullError) as raised:
+        train(compose_config(FAST + ["trainer.max_steps=4", "trainer.save_interval=2",
+                                     f"checkpoint.dir={root}"]), tmp_path)
+    message = str(raised.value)
+    assert "no space left on device (ENOSPC) while saving iter_0000004.tmp" in message
+    assert "(RuntimeError: Worker failure" in message and "\n" not in message
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", TRACKER]
+
+
+def test_a_second_ctrl_c_during_a_save_removes_the_partial_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first Ctrl-C asks for a save and a stop; a second one ends the process at once as
+    KeyboardInterrupt, which `python -m trainer` reports in one line; it must not leave the
+    `iter_N.tmp` it cut short."""
+    real_save = ckpt.save.dist_checkpointing.save
+    saves: list[str] = []
+
+    def interrupted(state, directory, **kwargs):
+        saves.append(directory)
+        real_save(state, directory, **kwargs)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.save.dist_checkpointing, "save", interrupted)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(KeyboardInterrupt):
+        train(compose_config(FAST + ["trainer.max_steps=4", "trainer.save_interval=2",
+                                     f"checkpoint.dir={root}"]), tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", TRACKER]
+
+
+def test_a_sigint_a_shell_ignores_stays_ignored() -> None:
+    """A job started in the background (`cmd &` in a script) ignores SIGINT: training must not
+    start stopping on it."""
+    from trainer.stop import StopOnSignal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopOnSignal()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._record
+        stop.uninstall()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.slow  # a real `python -m trainer` run: CI runs it
+def test_ctrl_c_saves_the_step_and_stops_in_one_line(tmp_path: Path) -> None:
+    """Before: an 80-line KeyboardInterrupt traceback and an `iter_N.tmp` left. SIGINT is now
+    what SIGTERM is: the step is saved and the run stops, exit 130."""
+    proc = _start(FAST + ["trainer.max_steps=100000", "trainer.save_interval=0",
+                          "hydra.run.dir=run"], tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = out + err  # the log goes to stdout
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert "stopped by SIGINT after step" in output and "resume with checkpoint.load=" in output
+    root = tmp_path / "run" / "checkpoints"
+    assert not list(root.glob("*.tmp"))
+    assert ckpt_main(["verify", str(root)]) == 0
+
+
+_INTERRUPTED_SETUP = """
+import sys
+import trainer.train
+
+def train(cfg, run_dir):
+    raise KeyboardInterrupt  # Ctrl-C while the model is being built
+
+trainer.train.train = train
+from trainer.__main__ import main
+main()
+"""
+
+
+@pytest.mark.slow  # a real `python -m trainer` entry point: CI runs it
+def test_ctrl_c_before_training_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_SETUP, *FAST,
+                           "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: interrupted by SIGINT")
+    assert f"checkpoint.load={tmp_path / 'run' / 'checkpoints'}" in errors[0]
+
+
+def test_a_read_only_or_full_run_dir_is_refused(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: Hydra's `OSError: [Errno 28] No space left on device` (or EROFS) while saving
+    `.hydra/config.yaml`, with a traceback. The run directory's claim refuses both first."""
+    from trainer.run_dir import RunDirError, check_space, hold
+
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 4096)
+    with pytest.raises(RunDirError, match=r"hydra.run.dir=.*/run: its file system is full "
+                                          r"\(4.1 KB free\): free space, or choose another"):
+        check_space(tmp_path / "run")
+    monkeypatch.undo()
+    check_space(tmp_path / "run")
+    real_mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if "ro" in Path(path).parts:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    with pytest.raises(RunDirError, match=r"hydra.run.dir=.*/ro/run is not writable "
+                                          r"\(Read-only file system\): choose a writable"):
+        hold(tmp_path / "ro" / "run")
+    assert not (tmp_path / "ro").exists()
+
+
+@pytest.mark.slow  # real `python -m trainer` runs: CI runs it
+@pytest.mark.parametrize("kind", ["read-only", "full"])
+def test_the_command_line_refuses_a_read_only_or_full_run_dir(tmp_path: Path, kind: str) -> None:
+    """The whole command line on a real file system of each kind (a tmpfs: root only)."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    options = "ro,size=64k" if kind == "read-only" else "size=64k"
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
+                                            str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root and a tmpfs mount")
+    try:
+        if kind == "full":
+            with open(mount / "fill", "wb") as f:
+                with pytest.raises(OSError):
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
+        proc = _start(FAST + ["trainer.max_steps=2", f"hydra.run.dir={mount / 'run'}",
+                              f"checkpoint.dir={tmp_path / 'checkpoints'}"], tmp_path)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, err[-3000:]
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: hydra.run.dir="), err
+        assert ("Read-only file system" if kind == "read-only" else "file system is full") in err
+        assert not (mount / "run").exists()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

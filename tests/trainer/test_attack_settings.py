@@ -1,4 +1,4 @@
-"""Issue 31: hostile settings of `python -m trainer` and `trainer.eval`.
+"""Hostile settings of `python -m trainer` and `trainer.eval`.
 
 Each one used to train or evaluate silently wrong (a negative grad_clip turned clipping off,
 `data.max_documents=0` trained on one document, `eval.passkey_trials=-1` reported

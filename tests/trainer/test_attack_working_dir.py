@@ -1,5 +1,5 @@
 """Attacks through the working directory: a `conf/` folder or `conf` package there must not
-shadow the trainer's own configs (issue 31, row 4). Start the next attack here."""
+shadow the trainer's own configs. Start the next attack here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14 item 8: the installed configs are found by their location, whatever the working
+"""The installed configs are found by their location, whatever the working
 directory holds; a Hydra project's own `conf/` there must not shadow them."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ fine-tune; eval.json records the values used; bench/compare_eval.py reads RULER 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,9 @@ from tests.ckpt.longctx_models import write_variant
 from tests.conftest import compose_config
 from trainer.defaults import adopt_dca_split, set_sizes
 from trainer.evals import ruler_run
+from trainer.evals.measures import PasskeyCell, PerplexityPoint
+from trainer.evals.results import EvalResults
+from trainer.evals.ruler.scoring import SuiteResult
 
 
 def test_the_pretrained_split_is_chunkllamas() -> None:
@@ -113,17 +117,42 @@ def test_a_fine_tune_of_a_model_trained_without_dca_takes_the_split(checkpoints,
     assert (meta.attention.dca_chunk_size, meta.attention.dca_local_size) == (768, 64)
 
 
-def test_compare_eval_tabulates_ruler_runs(tmp_path: Path) -> None:
-    for label, scores in (("dca", {"1024": 50.0, "2048": 40.0}), ("standard", {"1024": 45.0})):
-        (tmp_path / f"{label}.json").write_text(json.dumps({
-            "suite": "ruler", "label": label,
-            "ruler": {"averages": scores, "effective_length": None, "threshold": 85.6,
-                      "scores": []}}))
-    done = subprocess.run([sys.executable, "bench/compare_eval.py", str(tmp_path / "dca.json"),
-                           str(tmp_path / "standard.json"), "--out", str(tmp_path / "c.png")],
-                          capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr
-    assert "| dca | 50.0 | 40.0 | - |" in done.stdout
-    assert "| standard | 45.0 |  | - |" in done.stdout
+def _results(label: str, **measured) -> EvalResults:
+    return EvalResults(checkpoint="ckpt", step=1, trained_attention="standard",
+                       attention={"kind": label}, label=label, rope={}, trained_length=1024,
+                       **measured)
+
+
+def test_compare_eval_tabulates_ruler_and_passkey_runs(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both suites in one call (as the README's `outputs/*/*/eval.json` gives them): a table
+    each, repeated labels told apart by their directory, one plot."""
+    files = []
+    for name, result in (
+            ("dca", _results("dca", suite="ruler", ruler=SuiteResult(
+                [], {1024: 50.0, 2048: 40.0}, None, 85.6))),
+            ("standard", _results("standard", suite="ruler", ruler=SuiteResult(
+                [], {1024: 45.0}, None, 85.6))),
+            ("a", _results("standard", passkey=[PasskeyCell(1024, 0.5, 3, 4)],
+                           perplexity=[PerplexityPoint(1024, 0.0, 1)])),
+            ("b", _results("standard", passkey=[PasskeyCell(2048, 0.5, 1, 4)]))):
+        files.append(result.write((tmp_path / name).mkdir() or tmp_path / name))
+    script = Path(__file__).resolve().parents[2] / "bench" / "compare_eval.py"
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, files), "--out",
+                                      str(tmp_path / "c.png")])
+    runpy.run_path(str(script), run_name="__main__")  # as `python bench/compare_eval.py ...`
+    out = capsys.readouterr().out
+    assert "| dca | 50.0 | 40.0 | - |" in out
+    assert "| standard | 45.0 |  | - |" in out
+    assert f"| standard ({tmp_path / 'a'}) | 0.75 / 1.00 |  |" in out
+    assert f"| standard ({tmp_path / 'b'}) |  | 0.25 / - |" in out
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_compare_eval_refuses_a_missing_file_in_one_line(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "bench" / "compare_eval.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "none.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: no eval.json at ") and proc.stderr.count("\n") == 1

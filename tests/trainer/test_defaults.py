@@ -1,4 +1,4 @@
-"""Issue 30: defaults that follow what was typed (trainer/defaults.py) — an lr floor below any
+"""Defaults that follow what was typed (trainer/defaults.py) — an lr floor below any
 `trainer.lr`, a warm-up that fits a short run, DCA/chunked sizes that the default job's sequence
 spans, and one line when a variant degenerates to plain causal attention."""
 

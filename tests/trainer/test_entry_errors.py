@@ -1,5 +1,10 @@
-"""Issue 14 item 6: the entry points print a user error as one `error:` line and exit 2 (every
-rank under torchrun, rank 0 printing), the traceback only on request; bugs keep theirs."""
+"""The entry points print a user error as one `error:` line and exit 2 (every
+rank under torchrun, rank 0 printing), the traceback only on request; bugs keep theirs.
+
+A new interpreter per entry point (`python -m trainer`, `trainer.eval`, `trainer.build_data`
+here; `trainer.generate` in test_generate.py, `python -m ckpt` in tests/ckpt/test_ckpt.py) and
+one real torchrun job; the other cases run the same code in-process or forked from the
+preloaded server (tests/conftest.py's `run_module`)."""
 
 from __future__ import annotations
 
@@ -11,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST
-from trainer.entry import exits_on_user_error
+from tests.conftest import FAST, run_module
+from trainer.entry import check_overrides, exits_on_user_error
 from trainer.errors import UserError
 
-pytestmark = pytest.mark.slow
+NO_DEBUG = {"HYDRA_FULL_ERROR": None, "LONGCTX_DEBUG": None}
 
 
 def _run(module: str, args: list[str], cwd: Path, nproc: int = 1,
@@ -37,33 +42,26 @@ def _assert_one_error_line(proc: subprocess.CompletedProcess, words: str) -> Non
     assert "Traceback" not in output and "HYDRA_FULL_ERROR" not in output, output[-3000:]
 
 
+@pytest.mark.slow  # new interpreters
 def test_train_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     proc = _run("trainer", FAST + ["hydra.run.dir=run", "trainer.global_batch_size=0"], tmp_path)
     _assert_one_error_line(proc, "trainer.global_batch_size=0")
-    full = _run("trainer", FAST + ["hydra.run.dir=run2", "trainer.global_batch_size=0"],
-                tmp_path, HYDRA_FULL_ERROR="1")
+    full = run_module("trainer", FAST + ["hydra.run.dir=run2", "trainer.global_batch_size=0"],
+                      tmp_path, NO_DEBUG | {"HYDRA_FULL_ERROR": "1"})
     assert full.returncode != 0 and "Traceback" in full.stderr and "UserError" in full.stderr
 
 
+@pytest.mark.slow  # new interpreters
 def test_eval_and_build_data_user_errors(tmp_path: Path) -> None:
-    proc = _run("trainer.eval", ["hydra.run.dir=eval", "logger=none",
-                                 f"checkpoint.load={tmp_path / 'nope'}"], tmp_path)
-    _assert_one_error_line(proc, "checkpoint.load=")
+    proc = _run("trainer.eval", ["logger=none", "model=gpt_7b"], tmp_path)  # before Hydra runs
+    _assert_one_error_line(proc, "Available options in 'model': gpt_125m")
+    assert not any(tmp_path.iterdir())
+    proc = run_module("trainer.eval", ["hydra.run.dir=eval", "logger=none",
+                                       f"checkpoint.load={tmp_path / 'nope'}"], tmp_path, NO_DEBUG)
+    _assert_one_error_line(proc, "checkpoint.load=")  # in the job
     (tmp_path / "empty.txt").write_text("")
     proc = _run("trainer.build_data", ["empty.txt", "--output-prefix", "ds"], tmp_path)
     _assert_one_error_line(proc, "no documents")
-
-
-def test_under_torchrun_every_rank_exits_2_and_rank_0_prints_once(tmp_path: Path) -> None:
-    proc = _run("trainer", FAST + ["hydra.run.dir=run", "+attention=[dca,chunked]"],
-                tmp_path, nproc=2)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert [line for line in output.splitlines() if line.startswith("error: ")] == [
-        "error: attention: dca and chunked are two core-attention kinds; select one "
-        "(+attention=<kind>), optionally with head_gate, e.g. '+attention=[dca,head_gate]'"]
-    # The ranks print no traceback; torchrun's own report names the first rank's exit code.
-    assert "UserError" not in output and "exitcode  : 2" in output, output[-3000:]
 
 
 def test_a_bug_keeps_its_traceback() -> None:
@@ -82,30 +80,47 @@ def test_a_bug_keeps_its_traceback() -> None:
     assert info.value.code == 2
 
 
-@pytest.mark.parametrize(("module", "override", "words"), [
-    ("trainer", "trainer.max_step=5", "Key 'max_step' not in 'TrainerConfig'"),
-    ("trainer", "trainer.max_steps=abc", "'abc' of type 'str' could not be converted"),
-    ("trainer", "+attention=dac", "Could not find 'attention/dac'"),
-    ("trainer.eval", "model=gpt_7b", "Available options in 'model': gpt_125m"),
+@pytest.mark.parametrize(("override", "words"), [
+    ("trainer.max_step=5", "Key 'max_step' not in 'TrainerConfig'"),
+    ("trainer.max_steps=abc", "'abc' of type 'str' could not be converted"),
+    ("+attention=dac", "Could not find 'attention/dac'"),
+    ("model=gpt_7b", "Available options in 'model': gpt_125m"),
 ])
-def test_config_composition_errors_are_one_line(tmp_path: Path, module: str, override: str,
+def test_config_composition_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch, override: str,
                                                 words: str) -> None:
     """A misspelt key, a wrong type or an unknown config group, found by Hydra's composition
-    before any job runs: one `error:` line, exit 2, no directory written."""
-    proc = _run(module, ["logger=none", override], tmp_path)
-    _assert_one_error_line(proc, words)
+    before any job runs (`check_overrides`, which `python -m trainer` and `trainer.eval` call
+    first; the command lines: test_eval_and_build_data_user_errors): one `error:` line, exit 2,
+    no directory written."""
+    for name in NO_DEBUG:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(["logger=none", override])
+    out = capsys.readouterr()
+    _assert_one_error_line(subprocess.CompletedProcess([], exit_.value.code, out.out, out.err),
+                           words)
     assert not any(tmp_path.iterdir())
 
 
-def test_under_torchrun_a_setting_error_comes_first_and_is_torchruns_root_cause(
+@pytest.mark.slow  # torchrun: three new interpreters
+def test_under_torchrun_every_rank_exits_2_rank_0_prints_once_and_torchrun_names_it(
         tmp_path: Path) -> None:
-    """Issue 30: checked before the process group forms (no run directory yet); torchrun's
-    failure report names the error instead of pointing to its documentation."""
-    proc = _run("trainer", FAST + ["hydra.run.dir=run", "trainer.lr=1e-5", "trainer.min_lr=1e-4"],
+    """Checked before the process group forms (no run directory yet): every rank exits 2, rank
+    0 prints the error first (torchrun's own log lines and its OMP_NUM_THREADS banner aside), no
+    rank a traceback, and torchrun's failure report names the error (its root cause) instead of
+    pointing to its documentation."""
+    proc = _run("trainer", FAST + ["hydra.run.dir=run", "+attention=[dca,chunked]"],
                 tmp_path, nproc=2)
-    # torchrun's own log lines and its OMP_NUM_THREADS banner aside, the error comes first
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    message = ("error: attention: dca and chunked are two core-attention kinds; select one "
+               "(+attention=<kind>), optionally with head_gate, e.g. '+attention=[dca,head_gate]'")
+    assert [line for line in output.splitlines() if line.startswith("error: ")] == [message]
     ours = [line for line in proc.stderr.splitlines()
             if line.strip(" *") and not re.match(r"([WEI]\d{4} |Setting OMP_NUM_THREADS)", line)]
-    assert ours[0].startswith("error: trainer.min_lr (0.0001) must be in [0, trainer.lr (1e-05)]")
-    assert "traceback : error: trainer.min_lr" in proc.stderr, proc.stderr[-3000:]
+    assert ours[0] == message, proc.stderr[-3000:]
+    assert "UserError" not in output and "exitcode  : 2" in output, output[-3000:]
+    assert f"traceback : {message[:40]}" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()

@@ -15,7 +15,8 @@ from tests.trainer.scripted import ScriptedModel, asked_and_others, follow, gree
 from trainer.data.datasets import DataIterator
 from trainer.data.tokenizer import ByteTokenizer
 from trainer.evals.measures import passkey_accuracy, perplexity_by_length
-from trainer.evals.passkey import QUESTION, PasskeyMix, passkey_prompt
+from trainer.evals.passkey import QUESTION, passkey_prompt
+from trainer.evals.retrieval_mix import PasskeyMix
 
 TOK = ByteTokenizer()
 

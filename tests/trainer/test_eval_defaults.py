@@ -1,4 +1,4 @@
-"""Issue 30: `trainer.eval` on its defaults runs on any checkpoint the trainer produces (lengths
+"""`trainer.eval` on its defaults runs on any checkpoint the trainer produces (lengths
 from the trained length, tasks that do not fit a length skipped with a note), and its perplexity
 is over the model's whole vocabulary, as transformers computes the loss."""
 
@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from ckpt.paths import resolve_checkpoint
@@ -25,6 +26,7 @@ QUICK = ["eval.depths=[0.5]", "eval.passkey_trials=1", "eval.multikey_trials=1",
          "eval.perplexity_windows=1", "logger=none"]
 
 
+@pytest.mark.slow  # end to end, seconds: CI runs it, the quick lane leaves it
 def test_defaults_run_on_a_short_trained_checkpoint(tmp_path: Path, run_training,
                                                     caplog) -> None:
     # trained at 64 tokens: four needles and a question do not fit 64 byte tokens

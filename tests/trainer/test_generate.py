@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from tests.ckpt.longctx_models import CHUNK, VARIANTS, write_variant
+from tests.conftest import run_module
 from trainer.config import CONF_DIR
 from trainer.generate import generate
 
@@ -36,7 +37,9 @@ def config(overrides: list[str]) -> DictConfig:
         return compose("generate", overrides=overrides)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [  # two in the quick lane (-m 'not slow'), all four in CI
+    pytest.param(name, marks=[pytest.mark.slow] if name in ("dca-yarn-gated", "chunked-llama3")
+                 else []) for name in VARIANTS])
 def test_cached_greedy_decoding_is_recomputation(checkpoint, name: str) -> None:
     args = [f"checkpoint.load={checkpoint(name)}", f"prompt={PROMPT!r}", "max_new_tokens=64",
             "stop_at_eod=false", "trainer.device=cpu"]
@@ -61,12 +64,12 @@ def test_sampling_is_seeded_and_cached_equals_recomputed(checkpoint) -> None:
 @pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_the_command_prints_text_and_refuses_a_prompt_too_long(checkpoint, tmp_path: Path) -> None:
     ckpt = checkpoint("chunked-llama3")
-    ok = subprocess.run([sys.executable, "-m", "trainer.generate", f"checkpoint.load={ckpt}",
-                         "prompt=Hello", "max_new_tokens=8", "trainer.device=cpu"],
-                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ok = run_module("trainer.generate", [f"checkpoint.load={ckpt}", "prompt=Hello",
+                                         "max_new_tokens=8", "trainer.device=cpu"], tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "tokens in" in ok.stderr and not list(tmp_path.iterdir())  # writes nothing
     (tmp_path / "prompt.txt").write_text("x" * 100)
+    # A new interpreter: the entry point's one-line refusal as the command line shows it.
     refused = subprocess.run([sys.executable, "-m", "trainer.generate", f"checkpoint.load={ckpt}",
                               f"prompt_file={tmp_path / 'prompt.txt'}", "max_new_tokens=29"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -77,6 +80,7 @@ def test_the_command_prints_text_and_refuses_a_prompt_too_long(checkpoint, tmp_p
         "with +attention=dca)"]
 
 
+@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_many_prompts_decode_in_batches_as_each_alone(checkpoint, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"The grass"\n{"prompt": "def main("}\n\n"x"\n')

@@ -46,6 +46,7 @@ def test_build_data_uses_the_models_tokenizer(tmp_path: Path) -> None:
     assert summary["tokens"] == len(ids) + 1
 
 
+@pytest.mark.slow  # end to end, seconds: CI runs it, the quick lane leaves it
 def test_fine_tune_and_eval_with_the_models_tokenizer(tmp_path: Path, run_training,
                                                       hf_imported) -> None:
     """Fine-tune an imported model on its own tokenizer; evaluate the imported checkpoint with

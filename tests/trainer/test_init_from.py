@@ -20,6 +20,7 @@ from tests.conftest import FAST, compose_config
 hf_imported = hf_models.hf_imported  # the shared fixture
 
 
+@pytest.mark.slow  # end to end, seconds: CI runs it, the quick lane leaves it
 def test_imported_model_fine_tunes_and_resumes(tmp_path: Path, run_training, hf_imported) -> None:
     _, imported = hf_imported("llama", False)
     # No model=: the checkpoint's config is used; byte tokens (257) fit its 384 rows.

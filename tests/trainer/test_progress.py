@@ -1,4 +1,4 @@
-"""Issue 30: step lines say where the run stands (step/max, elapsed, ETA; no TFLOP/s on a CPU,
+"""Step lines say where the run stands (step/max, elapsed, ETA; no TFLOP/s on a CPU,
 where it reads 0.0), and a closing line says what was done and how to resume."""
 
 from __future__ import annotations

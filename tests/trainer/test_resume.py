@@ -7,17 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_config
-from trainer.resume import ResumeSettingsError, check_settings
-from trainer.train import Trainer
+from tests.conftest import FAST, compose_config
+from trainer.errors import UserError
+from trainer.init_from import open_load
+from trainer.resume import ResumeSettingsError, check_resume, check_settings
+from trainer.train import Trainer, train
 
 
-@pytest.fixture
-def saved_at_2(run_training, tmp_path: Path) -> Path:
-    """A 4-step run (lr 3e-3) saved at step 2."""
-    run_training(["trainer.max_steps=4", "trainer.save_interval=2", "checkpoint.save=true"],
-                 name="short")
-    return tmp_path / "short" / "checkpoints" / "iter_0000002"
+@pytest.fixture(scope="module")
+def saved_at_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step run (lr 3e-3) saved at steps 2 and 4, trained once for the tests below: they
+    only read it (each resume writes into its own run directory)."""
+    run_dir = tmp_path_factory.mktemp("short")
+    train(compose_config(FAST + [f"checkpoint.dir={run_dir / 'checkpoints'}",
+                                 "trainer.max_steps=4", "trainer.save_interval=2",
+                                 "checkpoint.save=true"]), run_dir)
+    return run_dir / "checkpoints" / "iter_0000002"
 
 
 @pytest.mark.slow  # the quick lane (-m 'not slow') leaves it to CI
@@ -30,14 +35,16 @@ def test_a_longer_max_steps_extends_the_schedule(run_training, saved_at_2: Path)
     assert [r["lr"] for r in resumed] == [r["lr"] for r in full[2:]]
 
 
-def test_max_steps_below_the_checkpoint_step_is_refused(run_training, saved_at_2: Path) -> None:
+def test_max_steps_below_the_checkpoint_step_is_refused(saved_at_2: Path) -> None:
+    cfg = compose_config(FAST + ["trainer.max_steps=1", "trainer.warmup_steps=0",  # < max_steps
+                                 f"checkpoint.load={saved_at_2}"])
     with pytest.raises(ResumeSettingsError,
                        match=r"trainer.max_steps=1 .*set trainer.max_steps >= 2"):
-        run_training(["trainer.max_steps=1", "trainer.warmup_steps=0",  # warmup < max_steps
-                      f"checkpoint.load={saved_at_2}"], name="shorter")
+        check_resume(cfg, open_load(cfg.checkpoint.load))
 
 
 def test_a_new_lr_is_refused_without_the_switch(run_training, saved_at_2: Path) -> None:
+    # Through a run: the Trainer refuses before it reads the data or builds the model.
     with pytest.raises(ResumeSettingsError,
                        match=r"trainer.lr 0.003 -> 0.01.*checkpoint.override_scheduler=true"):
         run_training(["trainer.max_steps=4", "trainer.lr=1e-2",
@@ -91,3 +98,10 @@ def test_another_tokenizer_is_refused(tmp_path: Path) -> None:
     moved.write_text(a.read_text())
     assert check_settings(compose_config([f"data.tokenizer={a}"]),
                           compose_config([f"data.tokenizer={moved}"]), 1, "c") == []
+
+
+def test_resuming_a_finished_run_says_it_is_finished(run_training, saved_at_2: Path) -> None:
+    finished = saved_at_2.parent / "iter_0000004"
+    with pytest.raises(UserError, match=r"at step 4 and trainer.max_steps is 4: that run is "
+                                         r"finished\. .*trainer.max_steps=8"):
+        run_training(["trainer.max_steps=4", f"checkpoint.load={finished}"], name="again")

@@ -73,13 +73,13 @@ def test_cells_depend_only_on_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[list[int]]] = [[], []]
 
     def record(which: int):
-        def grade(model, tokenizer, prompts, forced, candidates, steps, device):
+        def grade(self, tokenizer, prompts, candidates, steps):
             seen[which] += prompts
             return [[False] * len(c) for c in candidates]
         return grade
 
     for which, batch in ((0, 1), (1, 3)):
-        monkeypatch.setattr(retrieval, "greedy_starts_with", record(which))
+        monkeypatch.setattr(retrieval.Greedy, "starts_with", record(which))
         multikey_accuracy(None, TOK, STREAM, [400, 500], [0.5], trials=3, keys=2, digits=5,
                           batch_size=batch, seed=7, device=CPU)
     assert seen[0] == seen[1] and len(seen[0]) == 6

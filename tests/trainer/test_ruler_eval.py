@@ -5,14 +5,12 @@ loads."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.ckpt.longctx_models import write_variant
-from tests.conftest import compose_config
+from tests.conftest import compose_config, run_module
 from trainer.errors import UserError
 from trainer.evals import ruler_run
 from trainer.validate import validate_eval
@@ -111,11 +109,10 @@ def test_a_qa_file_that_is_not_squad_shaped_is_refused(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_length_too_short_for_a_task_is_one_line_before_the_model(checkpoint,
                                                                    tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.eval", f"checkpoint.load={checkpoint}",
-         "eval.suite=ruler", "eval.tasks=[vt]", "eval.lengths=[300]", "trainer.device=cpu",
-         "logger=none", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300)
+    done = run_module(  # forked from the preloaded server (tests/conftest.py)
+        "trainer.eval", [f"checkpoint.load={checkpoint}", "eval.suite=ruler", "eval.tasks=[vt]",
+                         "eval.lengths=[300]", "trainer.device=cpu", "logger=none",
+                         f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "vt at 300" in errors[0]

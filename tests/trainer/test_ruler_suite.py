@@ -5,6 +5,7 @@ for another harness, and the scores (RULER's string matching, effective length).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -30,7 +31,8 @@ from trainer.evals.ruler import (
     write_jsonl,
 )
 
-SMOLLM = Path("/work/models_cache/smollm2-135m-instruct")
+# a real tokenizer where one is at hand (LONGCTX_SMOLLM_DIR: a SmolLM2 model directory)
+SMOLLM = Path(os.environ.get("LONGCTX_SMOLLM_DIR", "/nonexistent"))
 CHAT = ("{% for m in messages %}{% if loop.first %}<|im_start|>system\nBe brief.<|im_end|>\n"
         "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

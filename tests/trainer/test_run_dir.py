@@ -1,34 +1,30 @@
 """The run directory: one run at a time, unique default names, no mixing with old checkpoints.
 
-Real `python -m trainer` processes: the lock must hold across processes and die with them.
+Real `python -m trainer` processes (forked from the preloaded server, `start_module`): the
+lock must hold across processes and die with them.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, read_metrics
+from tests.conftest import FAST, ModuleRun, read_metrics, run_module_ranks, start_module
 
 pytestmark = pytest.mark.slow
 
 TINY = FAST + ["trainer.max_steps=2", "data.max_documents=20"]
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=cwd,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _start(args: list[str], cwd: Path) -> ModuleRun:
+    return start_module("trainer", args, cwd)
 
 
-def _finish(proc: subprocess.Popen, rc: int = 0) -> str:
+def _finish(proc: ModuleRun, rc: int = 0) -> str:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == rc, f"rc {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
     return err
@@ -58,7 +54,7 @@ def test_a_held_directory_is_refused_until_its_holder_dies(tmp_path: Path) -> No
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists():  # the holder is training
-            assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()
+            assert holder.poll() is None and time.monotonic() < deadline, holder.output()
             time.sleep(0.5)
         before = _snapshot(run_dir)
         err = _finish(_start(TINY + ["hydra.run.dir=run"], tmp_path), rc=2)
@@ -70,7 +66,7 @@ def test_a_held_directory_is_refused_until_its_holder_dies(tmp_path: Path) -> No
         assert after["train.log"].startswith(before["train.log"])
     finally:
         holder.send_signal(signal.SIGKILL)
-        holder.communicate()
+        holder.wait(60)
     # SIGKILL released the lock: the next run takes the directory.
     _finish(_start(TINY + ["hydra.run.dir=run", "checkpoint.save=false"], tmp_path))
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
@@ -93,28 +89,28 @@ def test_rerunning_a_finished_directory_needs_load_or_overwrite(tmp_path: Path) 
     # overwrite: the old checkpoints go, so the tracker never points back among stale ones.
     _finish(_start(TINY + ["hydra.run.dir=run", "trainer.max_steps=3",
                            "checkpoint.overwrite=true"], tmp_path))
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", TRACKER]
+    # (run.lock: the run locks its checkpoint.dir inside its run directory too, ckpt/lock.py)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", TRACKER, "run.lock"]
     assert (root / TRACKER).read_text().strip() == "3"
 
 
-def test_every_torchrun_rank_refuses_a_held_directory(tmp_path: Path) -> None:
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from trainer.run_dir import hold; hold(Path('run')); print('held', flush=True); "
-         "time.sleep(600)"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+def test_every_rank_refuses_a_held_directory(tmp_path: Path) -> None:
+    """Two ranks as torchrun starts them (torchrun's own report of an exit 2:
+    test_entry_errors.py)."""
+    holder = start_module("tests.trainer.holder", ["run"], tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--standalone", "-m", "trainer", *TINY, "trainer.micro_batch_size=2",
-             "hydra.run.dir=run"], cwd=tmp_path,
-            capture_output=True, text=True, timeout=300)
+        deadline = time.monotonic() + 120
+        while holder.output()[0].strip() != "held":
+            assert holder.poll() is None and time.monotonic() < deadline, holder.output()
+            time.sleep(0.1)
+        ranks = run_module_ranks("trainer", TINY + ["trainer.micro_batch_size=2",
+                                                    "hydra.run.dir=run"], 2, tmp_path)
     finally:
         holder.kill()
-        holder.communicate()
-    assert proc.returncode != 0
+        holder.wait(60)
     # Every rank refuses (trainer/entry.py: they leave together with exit 2); rank 0 prints.
-    refusals = [line for line in proc.stderr.splitlines()
-                if line.startswith("error: run directory")]
-    assert len(refusals) == 1 and f"pid {holder.pid} on" in refusals[0], proc.stderr[-2000:]
-    assert "exitcode  : 2" in proc.stderr, proc.stderr[-2000:]
+    assert [r.returncode for r in ranks] == [2, 2], [r.stderr[-2000:] for r in ranks]
+    refusals = [[line for line in r.stderr.splitlines() if line.startswith("error: run directory")]
+                for r in ranks]
+    assert len(refusals[0]) == 1 and not refusals[1], ranks[0].stderr[-2000:]
+    assert f"pid {holder.pid} on" in refusals[0][0]

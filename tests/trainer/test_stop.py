@@ -15,14 +15,15 @@ import pytest
 
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER, checkpoint_name
-from tests.conftest import FAST, own_session, read_metrics
+from tests.conftest import FAST, ModuleRun, own_session, read_metrics, start_module
 
 pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def _training(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 180) -> None:
+def _training(proc: subprocess.Popen | ModuleRun, run_dir: Path, steps: int,
+              timeout: float = 180) -> None:
     """Wait until `proc` has logged `steps` training steps into `run_dir`."""
     deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
@@ -50,12 +51,11 @@ def test_a_signal_saves_the_step_and_the_resume_continues_exactly(
     constant = ["trainer.lr_decay_style=constant"]
     args = FAST + constant + ["trainer.max_steps=100000", "trainer.save_interval=0",
                               "hydra.run.dir=run"]
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=ENV,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = start_module("trainer", args, tmp_path)  # forked from the preloaded server
     try:
         _training(proc, tmp_path / "run", 3)
         proc.send_signal(sig)
-        output, _ = proc.communicate(timeout=120)
+        output = "".join(proc.communicate(timeout=120))
     finally:
         if proc.poll() is None:
             proc.kill()

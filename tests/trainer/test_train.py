@@ -14,8 +14,19 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from ckpt.paths import TRACKER, resolve_checkpoint
-from tests.conftest import read_metrics, spawn
-from trainer.train import _memory_gb
+from tests.conftest import FAST, compose_config, read_metrics, spawn
+from trainer.train import _memory_gb, train
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 5-step run that saved every 2 steps and its last step (iter 2, 4 and 5), trained once
+    for the tests that read it; a test that changes it works on a copy."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    run_dir.mkdir()
+    train(compose_config(FAST + [f"checkpoint.dir={run_dir / 'checkpoints'}",
+                                 "trainer.max_steps=5", "trainer.save_interval=2"]), run_dir)
+    return run_dir
 
 
 def test_training_reduces_loss_and_writes_outputs(run_training, tmp_path: Path) -> None:
@@ -42,11 +53,10 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(run_training, tmp_pa
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[20:]]
 
 
-def test_checkpoints_root_loads_the_latest_complete_one(run_training, tmp_path: Path) -> None:
-    run_training(["trainer.max_steps=4", "trainer.save_interval=2"])
-    root = tmp_path / "run" / "checkpoints"
-    assert (root / TRACKER).read_text().strip() == "4"
-    assert resolve_checkpoint(root) == root / "iter_0000004"
+def test_checkpoints_root_loads_the_latest_complete_one(saved_run: Path, tmp_path: Path) -> None:
+    root = saved_run / "checkpoints"
+    assert (root / TRACKER).read_text().strip() == "5"
+    assert resolve_checkpoint(root) == root / "iter_0000005"
     assert resolve_checkpoint(root / "iter_0000002") == root / "iter_0000002"
     with pytest.raises(FileNotFoundError, match="neither a checkpoints root"):
         resolve_checkpoint(tmp_path)
@@ -79,23 +89,25 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(
     assert resolve_checkpoint(root).name == "iter_0000004"
 
 
-def test_checkpoint_records_what_a_resume_needs(run_training, tmp_path: Path) -> None:
-    run_training(["trainer.max_steps=2", "trainer.save_interval=2"])
+def test_checkpoint_records_what_a_resume_needs(saved_run: Path) -> None:
     extra = dist_checkpointing.load_common_state_dict(
-        str(tmp_path / "run" / "checkpoints" / "iter_0000002"))["extra"]
+        str(saved_run / "checkpoints" / "iter_0000002"))["extra"]
     assert extra["step"] == 2 and extra["consumed_samples"] == 8 and extra["layout"]["tp"] == 1
     assert "model:" in extra["run_config"] and "wandb_id" in extra
     assert extra["model"]["num_layers"] == 2 and extra["meta_version"] == 2
-    assert read_metrics(tmp_path / "run")[-1]["step"] == 2
+    assert [r["step"] for r in read_metrics(saved_run)] == [1, 2, 3, 4, 5]
 
 
 def test_a_fresh_run_in_a_reused_directory_keeps_old_metrics_aside(run_training,
                                                                     tmp_path: Path) -> None:
-    run_training(["trainer.max_steps=2", "checkpoint.save=false"])
-    rows = run_training(["trainer.max_steps=3", "checkpoint.save=false"])
+    # save=false over a save interval: no checkpoint at all
+    run_training(["trainer.max_steps=2", "trainer.save_interval=1", "checkpoint.save=false"])
+    rows = run_training(["trainer.max_steps=3", "trainer.save_interval=2",
+                         "checkpoint.save=false"])
     assert [r["step"] for r in rows] == [1, 2, 3]
     old = list((tmp_path / "run").glob("metrics.*.jsonl"))
     assert len(old) == 1 and len(old[0].read_text().splitlines()) == 2
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def _report_memory(root: str) -> None:
@@ -112,32 +124,29 @@ def test_logged_memory_is_the_peak_of_the_most_loaded_rank(tmp_path: Path) -> No
     assert [float((tmp_path / f"rank{r}").read_text()) for r in range(2)] == [2.0, 2.0]
 
 
-def test_the_final_step_is_saved_off_the_save_interval(run_training, tmp_path: Path) -> None:
-    run_training(["trainer.max_steps=5", "trainer.save_interval=4"])
-    root = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
+def test_the_final_step_is_saved_off_the_save_interval(saved_run: Path) -> None:
+    root = saved_run / "checkpoints"
+    assert sorted(p.name for p in root.glob("iter_*")) == [
+        "iter_0000002", "iter_0000004", "iter_0000005"]
     assert resolve_checkpoint(root).name == "iter_0000005"
 
 
-def test_no_checkpoint_at_all_with_save_false(run_training, tmp_path: Path) -> None:
-    run_training(["trainer.max_steps=3", "trainer.save_interval=2", "checkpoint.save=false"])
-    assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_a_resume_into_the_same_directory_logs_each_step_once(run_training,
+def test_a_resume_into_the_same_directory_logs_each_step_once(run_training, saved_run: Path,
                                                               tmp_path: Path) -> None:
-    # The run saved at step 2 and died after logging step 4, before its save: resuming from
-    # step 2 repeats steps 3 and 4.
-    first = run_training(["trainer.max_steps=4", "trainer.save_interval=2"])
+    # The run saved at step 2 and died after logging step 5, before its saves at 4 and 5:
+    # resuming from step 2 repeats steps 3 to 5.
+    shutil.copytree(saved_run, tmp_path / "run", ignore=shutil.ignore_patterns("run.lock"))
+    first = read_metrics(tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
     shutil.rmtree(root / "iter_0000004")
+    shutil.rmtree(root / "iter_0000005")
     (root / TRACKER).write_text("2\n")
-    rows = run_training(["trainer.max_steps=4", f"checkpoint.load={root}"])
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    rows = run_training(["trainer.max_steps=5", f"checkpoint.load={root}"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[:2] == first[:2]
     aside = list((tmp_path / "run").glob("metrics.*.jsonl"))
     assert len(aside) == 1
-    assert [json.loads(line)["step"] for line in aside[0].read_text().splitlines()] == [3, 4]
+    assert [json.loads(line)["step"] for line in aside[0].read_text().splitlines()] == [3, 4, 5]
 
 
 def test_retrieval_examples_reach_the_training_batches(run_training,
@@ -145,11 +154,11 @@ def test_retrieval_examples_reach_the_training_batches(run_training,
     """data.passkey_fraction / multikey_fraction / multikey_keys build the mix the data
     iterator applies: both kinds of example are drawn during a short run."""
     from trainer import train
-    from trainer.evals import passkey
+    from trainer.evals import retrieval_mix
 
     drawn: list[str] = []
 
-    class Recording(passkey.PasskeyMix):
+    class Recording(retrieval_mix.PasskeyMix):
         def __call__(self, g, sample):
             out = super().__call__(g, sample)
             text = self.tokenizer.decode(out.tolist())

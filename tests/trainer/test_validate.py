@@ -1,4 +1,4 @@
-"""Issue 14 item 5: every setting that can be checked before the model is built is refused up
+"""Every setting that can be checked before the model is built is refused up
 front, with one line naming the key (trainer/validate.py), and the data checks that need the
 corpus run before the model exists."""
 

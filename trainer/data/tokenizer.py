@@ -23,9 +23,6 @@ class Tokenizer(Protocol):
     vocab_size: int
     eod: int
     name: str
-    # decode(x + y) starts with decode(x), once trailing U+FFFD (an unfinished UTF-8 character)
-    # is dropped from the latter: retrieval grading may then decide from a prefix of the output.
-    prefix_stable: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -47,7 +44,6 @@ class ByteTokenizer:
     vocab_size: int = 257
     eod: int = 256
     name: str = "byte"
-    prefix_stable: bool = True  # see `Tokenizer.prefix_stable`
 
     def encode(self, text: str) -> list[int]:
         """UTF-8 bytes of `text`."""
@@ -81,16 +77,18 @@ class JsonTokenizer:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {self.path}")
-        self._tok = HFTokenizer.from_file(str(self.path))
+        try:
+            self._tok = HFTokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises its own Exception subclass with any message
+            why = " ".join(str(e).split())[:200]
+            raise UserError(f"{self.path}: not a `tokenizers` JSON file ({why}); give 'byte', a "
+                            "tokenizer.json saved by `tokenizers` or a Hugging Face model "
+                            "directory holding one") from None
         base = self._tok.get_vocab_size(with_added_tokens=True)
         eod = self._tok.token_to_id(eod_token)
         self.eod: int = base if eod is None else eod
         self.vocab_size: int = max(base, self.eod + 1)
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
-        # Byte-level BPE (GPT-2, Llama 3, Qwen2) decodes token bytes concatenated; other decoders
-        # (WordPiece's cleanup, byte fallback's grouping) may rewrite a prefix's text later.
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        self.prefix_stable: bool = decoder.get("type") == "ByteLevel"
         self.name: str = f"json-{digest}-eod{self.eod}"
 
     def encode(self, text: str) -> list[int]:
@@ -123,9 +121,13 @@ def hf_eos_token(tokenizer_json: Path) -> str | None:
     if not config.is_file():
         return None
     try:
-        eos = json.loads(config.read_text()).get("eos_token")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config}: not JSON ({e})") from None
+        settings = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config}: not valid JSON ({e}); fix or remove it") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"{config}: must hold a JSON object of settings, not a "
+                        f"{type(settings).__name__}; fix or remove it")
+    eos = settings.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos if isinstance(eos, str) and eos else None

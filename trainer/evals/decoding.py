@@ -1,26 +1,12 @@
-"""Greedy decoding for retrieval grading, with teacher forcing so a trial costs about one forward.
+"""Greedy decoding for retrieval grading: a trial passes when the text of greedy's `steps`-token
+continuation starts with the answer's text.
 
-A trial passes when the text of greedy's `steps`-token continuation starts with the answer's
-text. Re-running the prompt per generated token (no KV cache: DCA and chunked attention have
-no incremental path) costs `steps` forwards of the whole prompt. Instead, `greedy_starts_with`:
-
-1. runs prompt + the expected answer's tokens once (teacher forcing). The argmax after
-   prompt + answer[:j] is greedy's token j as long as greedy produced answer[:j], so greedy's
-   first tokens are known exactly up to and including the first divergence k:
-   answer[:k] + [argmax_k] (all `steps` tokens when greedy reproduces the answer);
-2. decides each candidate string from that known prefix when it can: with the whole
-   continuation known, exactly as before; with a prefix-stable tokenizer (`prefix_stable`:
-   decode(x + y) starts with decode(x), trailing U+FFFD of an unfinished UTF-8 character
-   aside), a prefix whose text starts with the candidate passes and one that already differs
-   from it fails;
-3. repeats 1 for the trials still undecided (the prefix's text is a proper prefix of a
-   candidate: the same digits with another split, or a distractor's value), from the known
-   prefix, forcing the rest of the first candidate it may still become (`guess`): each round
-   adds at least greedy's next token, so it ends within `steps` rounds, as decoding would.
-
-The verdicts are greedy decoding's in exact arithmetic. In floating point, the logits at a
-position come from a forward of a longer sequence than greedy's own, which kernels may tile
-differently: the last bits can differ, as they already could between batch sizes.
+`Greedy` decodes on the engine (trainer/engine) for the trainer's own model at TP=1: prompts
+prefilled in batches, logits at each row's last token only, each further token one cached
+decode step. Any other model (a callable returning logits [b, s, vocab]: a TP-sharded model,
+DCA with its length-dependent scaling, which a cache cannot reproduce, the tests' scripted
+ones) is decoded by recomputing the whole sequence per token, rows of equal length together:
+the same greedy tokens in exact arithmetic.
 """
 
 from __future__ import annotations
@@ -37,87 +23,64 @@ def logits_of(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int) -> 
     """Full-vocabulary logits [b, s, vocab] (gathered across TP ranks, padding rows dropped)."""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     logits = model(tokens, positions, None)  # [b, s, V / tp]
-    if (parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size() > 1):
+    if _tp_size() > 1:
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return logits[..., :vocab_size]
 
 
-def _by_length(rows: list[list[int]]) -> dict[int, list[int]]:
-    """Row indices grouped by row length: every forward is of equal-length rows, unpadded, as
-    greedy decoding's own."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, row in enumerate(rows):
-        groups[len(row)].append(i)
-    return groups
+def _tp_size() -> int:
+    return (parallel_state.get_tensor_model_parallel_world_size()
+            if parallel_state.model_parallel_is_initialized() else 1)
 
 
-@torch.no_grad()
-def teacher_forced_prefix(model: torch.nn.Module, prompts: list[list[int]],
-                          forced: list[list[int]], steps: int | list[int], vocab_size: int,
-                          device: torch.device) -> list[list[int]]:
-    """Greedy's first tokens after each prompt, known exactly from one forward of prompt +
-    forced tokens: forced[:k] + [greedy's token k] for the first divergence k (at most `steps`
-    tokens, per prompt if a list; all of them when greedy reproduces the forced tokens)."""
-    budgets = steps if isinstance(steps, list) else [steps] * len(prompts)
-    inputs = [f[:n - 1] for f, n in zip(forced, budgets)]  # the last prediction needs no input
-    rows = [p + f for p, f in zip(prompts, inputs)]
-    known: list[list[int]] = [[] for _ in rows]
-    for _, index in sorted(_by_length(rows).items()):
-        batch = torch.tensor([rows[i] for i in index], device=device)
-        argmax = logits_of(model, batch, vocab_size).argmax(dim=-1).tolist()
-        for b, i in enumerate(index):
-            start = len(prompts[i]) - 1  # the logits predicting the continuation's token 0
-            predicted = argmax[b][start:start + len(inputs[i]) + 1]
-            k = next((j for j, t in enumerate(inputs[i]) if predicted[j] != t), len(inputs[i]))
-            known[i] = inputs[i][:k] + [predicted[k]]
-    return known
+def _engine_model(model: object) -> bool:
+    """Whether the engine can decode `model`: the trainer's GPTModel (or its bf16 wrapper) at
+    TP=1 whose attention a cache reproduces (not DCA's length-dependent scaling)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from trainer.engine.cache import check_cacheable, unwrapped
+
+    if not (isinstance(model, torch.nn.Module) and isinstance(unwrapped(model), GPTModel)
+            and _tp_size() == 1):
+        return False
+    try:
+        check_cacheable(model)
+    except ValueError:
+        return False
+    return True
 
 
-def guess(tokenizer, text: str, candidates: list[str]) -> list[int]:
-    """The rest of the first candidate that `text` may still become, canonically encoded: the
-    tokens to force next (a wrong guess costs nothing but its own divergence)."""
-    text = text.rstrip(REPLACEMENT)
-    return next((tokenizer.encode(c[len(text):]) for c in candidates if c.startswith(text)), [])
+class Greedy:
+    """Greedy continuations of prompts, `batch_size` at a time, one engine per evaluation."""
 
+    def __init__(self, model, vocab_size: int, device: torch.device, batch_size: int) -> None:
+        from trainer.engine import DecodeEngine, EngineOptions
 
-def judge(text: str, candidates: list[str], complete: bool, prefix_stable: bool
-          ) -> list[bool] | None:
-    """[text of the whole continuation starts with c, for c in candidates], decided from the
-    text of `complete` continuation or of a known prefix of it; None while undecided."""
-    if complete:
-        return [text.startswith(c) for c in candidates]
-    if not prefix_stable:
-        return None
-    text = text.rstrip(REPLACEMENT)  # an unfinished character may still become anything
-    verdict = []
-    for c in candidates:
-        if c.startswith(text) and not text.startswith(c):
-            return None  # consistent with c so far: another split of c, or a partial match
-        verdict.append(text.startswith(c))
-    return verdict
+        self.model, self.vocab_size, self.device = model, vocab_size, device
+        self.engine = (DecodeEngine(model, vocab_size, EngineOptions(max_batch=batch_size))
+                       if _engine_model(model) else None)
 
+    @torch.no_grad()
+    def continuations(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        """Greedy's first `steps` tokens after each prompt."""
+        if self.engine is not None:
+            return self.engine.generate(prompts, steps)
+        out: list[list[int]] = [[] for _ in prompts]
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, row in enumerate(prompts):
+            groups[len(row)].append(i)
+        for index in groups.values():  # equal-length rows, unpadded, as greedy decoding's own
+            tokens = torch.tensor([prompts[i] for i in index], device=self.device)
+            for _ in range(steps):
+                nxt = logits_of(self.model, tokens, self.vocab_size)[:, -1].argmax(-1)
+                tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            for i, row in zip(index, tokens[:, -steps:].tolist()):
+                out[i] = row
+        return out
 
-@torch.no_grad()
-def greedy_starts_with(model: torch.nn.Module, tokenizer, prompts: list[list[int]],
-                       forced: list[list[int]], candidates: list[list[str]], steps: int,
-                       device: torch.device) -> list[list[bool]]:
-    """For each prompt i: [tokenizer.decode(greedy's `steps` tokens).startswith(c) for c in
-    candidates[i]], as greedy decoding gives it, in about one forward (see module doc);
-    `forced[i]` is the continuation expected (the asked key's tokens)."""
-    stable = getattr(tokenizer, "prefix_stable", False)
-    known = teacher_forced_prefix(model, prompts, forced, steps, tokenizer.vocab_size, device)
-    verdicts: list[list[bool] | None] = [None] * len(prompts)
-    pending = list(range(len(prompts)))
-    while pending:
-        for i in pending:
-            verdicts[i] = judge(tokenizer.decode(known[i]), candidates[i],
-                                len(known[i]) == steps, stable)
-        pending = [i for i in pending if verdicts[i] is None]
-        more = teacher_forced_prefix(
-            model, [prompts[i] + known[i] for i in pending],
-            [guess(tokenizer, tokenizer.decode(known[i]), candidates[i]) for i in pending],
-            [steps - len(known[i]) for i in pending], tokenizer.vocab_size, device)
-        for i, tokens in zip(pending, more):
-            known[i] += tokens
-    return verdicts  # type: ignore[return-value]  # every entry decided by now
+    def starts_with(self, tokenizer, prompts: list[list[int]], candidates: list[list[str]],
+                    steps: int) -> list[list[bool]]:
+        """For each prompt i: [the text of greedy's `steps` tokens starts with c, for c in
+        candidates[i]]."""
+        texts = [tokenizer.decode(t) for t in self.continuations(prompts, steps)]
+        return [[text.startswith(c) for c in cands] for text, cands in zip(texts, candidates)]

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.errors import UserError
-from trainer.evals.decoding import greedy_starts_with, logits_of
+from trainer.evals.decoding import Greedy, logits_of
 from trainer.evals.passkey import answer_text, passkey_prompt, random_key
 
 
@@ -78,9 +78,10 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
     """Accuracy per (length, depth): a trial passes when the greedy continuation's text starts
     with the key's (compared as text: a subword tokenizer's key may take a different number of
     tokens from trial to trial, or be produced with another split of the same digits, up to one
-    token per digit; the budget does not depend on the batch). Graded
-    with teacher forcing, about one forward per trial (`trainer.evals.decoding`)."""
+    token per digit; the budget does not depend on the batch). Decoded on the engine
+    (`trainer.evals.decoding`)."""
     rng = np.random.default_rng(seed)
+    greedy = Greedy(model, tokenizer.vocab_size, device, batch_size)
     cells = []
     grid = [(length, depth) for length in lengths for depth in depths]
     for length, depth in tqdm(grid, desc="passkey", leave=False):
@@ -90,9 +91,8 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], dept
             pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
             # as many tokens as the answer has characters: every split of it fits
             steps = max(len(answer_text(key)) for key in keys)
-            verdicts = greedy_starts_with(model, tokenizer, [p for p, _ in pairs],
-                                          [a for _, a in pairs],
-                                          [[tokenizer.decode(a)] for _, a in pairs], steps, device)
+            verdicts = greedy.starts_with(tokenizer, [p for p, _ in pairs],
+                                          [[tokenizer.decode(a)] for _, a in pairs], steps)
             correct += sum(v[0] for v in verdicts)
         cells.append(PasskeyCell(length, depth, correct, trials))
     return cells

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.errors import UserError
-from trainer.evals.decoding import greedy_starts_with
+from trainer.evals.decoding import Greedy
 from trainer.evals.passkey import answer_text, random_key
 
 NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
@@ -127,11 +127,9 @@ def place_needles(tokenizer, length: int, depth: float, keys: int, digits: int,
 def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[int],
                       depths: list[float], trials: int, keys: int, digits: int, batch_size: int,
                       seed: int, device: torch.device) -> list[MultiKeyCell]:
-    """Correct and distractor answers per (length, depth) cell. Teacher forcing on the asked
-    value grades most trials in one forward; a trial whose greedy prefix is still consistent
-    with a distractor's value (or another split of a value) is decoded on until its text
-    decides every value (`trainer.evals.decoding`), so the distractor counts are greedy
-    decoding's."""
+    """Correct and distractor answers per (length, depth) cell: greedy decoding's text starts
+    with the asked value, or with a distractor's (`trainer.evals.decoding`: on the engine)."""
+    greedy = Greedy(model, tokenizer.vocab_size, device, batch_size)
     cells = []
     grid = [(length, j, depth) for length in lengths for j, depth in enumerate(depths)]
     for length, j, depth in tqdm(grid, desc="multikey", leave=False):
@@ -143,9 +141,7 @@ def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[i
             batch = built[start:start + batch_size]
             answers = [[answer_text(v) for v in t.values] for t in batch]
             steps = max(len(a) for row in answers for a in row)  # one token per character fits
-            verdicts = greedy_starts_with(model, tokenizer, [t.prompt for t in batch],
-                                          [tokenizer.encode(row[0]) for row in answers],
-                                          answers, steps, device)
+            verdicts = greedy.starts_with(tokenizer, [t.prompt for t in batch], answers, steps)
             for asked, *others in verdicts:
                 correct += asked
                 distractor += any(others)

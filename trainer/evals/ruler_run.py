@@ -175,6 +175,7 @@ def evaluate_ruler(cfg, model_cfg, tokenizer_spec: str, stream, model_loader, su
 
     from trainer.data.tokenizer import load_tokenizer
     from trainer.engine.budget import check_cache
+    from trainer.evals.results import EvalResults
 
     e = cfg.eval
     if cfg.parallel.tp != 1:
@@ -192,16 +193,15 @@ def evaluate_ruler(cfg, model_cfg, tokenizer_spec: str, stream, model_loader, su
     model, tokenizer = model_loader()
     texts = decode(model, tokenizer, samples, engine_options(cfg.decode, e.batch_size))
     result = score_predictions(samples, texts, settings.threshold)
-    results = summary | {"suite": "ruler", "ruler": result.to_dict(),
-                         "ruler_settings": {"tasks": sorted({s.task for s in samples}),
-                                            "samples": settings.samples,
-                                            "template": settings.template,
-                                            "seed": settings.seed}}
+    typed = EvalResults(**summary, suite="ruler", ruler=result, ruler_settings={
+        "tasks": sorted({s.task for s in samples}), "samples": settings.samples,
+        "template": settings.template, "seed": settings.seed})
+    results = typed.to_dict()
     if not is_main:
         return results
     from trainer.evals.ruler import sample_scores
 
-    (run_dir / "eval.json").write_text(json.dumps(results, indent=1))
+    typed.write(run_dir)
     with open(run_dir / "ruler_predictions.jsonl", "w") as f:
         for s, t, score in zip(samples, texts, sample_scores(samples, texts)):
             f.write(json.dumps({"task": s.task, "length": s.length, "index": s.index,
@@ -219,11 +219,11 @@ def evaluate_ruler(cfg, model_cfg, tokenizer_spec: str, stream, model_loader, su
 
 def _log_wandb(cfg, run_dir: Path, label: str, result: SuiteResult, plot: Path) -> None:
     import wandb
-    from omegaconf import OmegaConf
 
+    from ckpt.saved_config import unresolved_env
     from trainer.metrics import start_wandb
 
-    run = start_wandb(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), None,
+    run = start_wandb(run_dir, cfg.logger, unresolved_env(cfg), None,
                       job_type="eval", name=cfg.logger.name or label)
     scores = wandb.Table(columns=["attention", "task", "length", "score", "samples"],
                          data=[[label, s.task, s.length, s.score, s.samples]

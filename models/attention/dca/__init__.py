@@ -1,4 +1,4 @@
-"""Dual Chunk Attention (SPEC.md), exact for training.
+"""Dual Chunk Attention (An et al. 2024; the part table in attention.py), exact for training.
 
     attention.py  `dual_chunk_attention`: the function, its autograd forward
     plan.py       `DCAPlan` (documents, positions, RoPE tables) and the argument checks
@@ -14,6 +14,7 @@
     scaling.py    length-dependent logit scaling (log, yarn)
     module.py     `DCACoreAttention`, the megatron core-attention module
 
-The CP form lives with the other variants' in ../cp_variants.py. Nothing is imported here, so
-`models.attention.dca.scaling` (read by the config) does not load the kernels.
+The CP form lives with the other variants' in ../cp_variants.py. Nothing is imported here: the
+config's checks (`scaling.py`, `plan.check_backward`) load no kernel module
+(tests/test_architecture.py).
 """

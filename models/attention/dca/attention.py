@@ -2,7 +2,7 @@
 
 With chunk length L = chunk_size - local_size, a token at position p (within its document) has
 chunk index n = p div L and in-chunk offset r = p mod L. A query i meets each earlier key j in
-exactly one part (SPEC.md's table; keys are always rotated to r_j):
+exactly one part (keys are always rotated to r_j):
 
     intra       n_j == n_i (causal)   query rotated to r_i
     successive  n_j == n_i - 1        query rotated to min(r_i + L, C)
@@ -14,9 +14,11 @@ rotated query (dq then carries f_i too; dk does by itself: the kernels see the s
 Each part runs as dense attention that also returns its log-sum-exp (the calls: calls.py);
 outputs merge by LSE; the backward is the global-LSE recipe (backward.py). Documents of at most
 C tokens are plain causal attention at their own positions (one call; see DCAPlan.causal in
-plan.py). Nothing is S x S on the fused (CUDA fp16/bf16) path, K/V are never repeated, and the
-forward holds one part's rotated q at a time. Rotations are not saved activations: the
-backward makes them again, per kernel call (one fused pass each; backward.py).
+plan.py). Nothing is S x S on the fused (CUDA fp16/bf16) path and K/V are never repeated. On
+the part calls the forward holds one part's rotated q at a time; DCA's own kernels (grouped.py)
+take every part's rotated q in their one forward call. The rotations are activations only under
+`dca_keep_rotated` (with DCA's kernels); otherwise the backward makes them again (backward.py,
+grouped.py).
 """
 
 from __future__ import annotations

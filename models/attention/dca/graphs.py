@@ -7,8 +7,8 @@ the Triton kernels and builds the cuDNN plans; every layer and step then copies 
 the graphs' buffers, replays, and copies the outputs out: one launch instead of ~100, for ~13
 copies of q's size in extra memory traffic and the graphs' own memory, kept while the process
 runs. Worth it where launches dominate (short sequences, small chunks);
-`dual_chunk_attention(..., cuda_graphs=True)` opts in. What it gains and what memory it keeps:
-docs/benchmarks.md, "DCA as CUDA graphs" (bench/attention.py, bench/dca_graph_memory.py).
+`dual_chunk_attention(..., cuda_graphs=True)` opts in. What it gains: docs/benchmarks.md, "DCA as
+CUDA graphs"; what memory it keeps: bench/dca_graph_memory.py.
 """
 
 from __future__ import annotations

@@ -39,15 +39,14 @@ from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
 from models.attention.dca.dq_parts import rotate_back
 from models.attention.dca.plan import KERNEL_BLOCK as BLOCK
-from models.attention.dca.plan import DCAPlan, KernelPaths, flat_heads
+from models.attention.dca.plan import DCAPlan, KernelPaths, check_backward, flat_heads
 from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
 # The backward's memory over causal attention's that dca_backward=auto allows (`split`), and the
 # fewest query rows of a row piece: a piece of fewer rows saves under ~0.1 GB (16 heads of 128)
 # and costs its own launches (at 8K, C = 2048, where DCA is host-bound, 2.35 ms a call in 2
-# pieces, 2.04 in one). Measured: docs/benchmarks.md, "Back to back, pieces by memory, ..." and
-# "The backward in groups of heads".
+# pieces, 2.04 in one). Measured: docs/benchmarks.md, "How DCA's backward is cut".
 MEMORY_OVER_CAUSAL = 0.15
 MIN_PIECE_ROWS = 8192
 # The fewest blocks (query heads x batch x key tiles) a group of heads may launch: a launch of
@@ -55,7 +54,6 @@ MIN_PIECE_ROWS = 8192
 # Measured at 16K: 3 heads (384 blocks) 0.77x of FA4 causal against 0.86x for all heads in 2
 # pieces of rows; one key head of 16/4 (512 blocks) 0.89x against 0.84x in 4 pieces of rows.
 MIN_GROUP_BLOCKS = 512
-BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (`paths`)
 # The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py); at 72
 # FA4's SM90 backward machinery gave wrong gradients (docs/benchmarks.md). The rest take the
 # part calls.
@@ -90,11 +88,6 @@ class Rotated(NamedTuple):
     [b, s, hk, d]."""
     q: torch.Tensor
     k: torch.Tensor
-
-
-def check_backward(backward: str) -> None:
-    if backward not in BACKWARDS:
-        raise ValueError(f"dca_backward must be one of {' | '.join(BACKWARDS)}, got {backward!r}")
 
 
 class Split(NamedTuple):

@@ -16,6 +16,13 @@ from models.attention.dca.scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi
 from models.rope_scaling import RopeScaling
 
+BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (grouped.paths)
+
+
+def check_backward(backward: str) -> None:
+    if backward not in BACKWARDS:
+        raise ValueError(f"dca_backward must be one of {' | '.join(BACKWARDS)}, got {backward!r}")
+
 # DCA's own kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128): every tile lies
 # in one chunk when L and the sequence are multiples of it.
 KERNEL_BLOCK = 128

@@ -17,13 +17,12 @@ tokens_to_generate) // 50 words unless the spec fixes it, as RULER sizes it.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from trainer.evals.ruler.specs import CommonWordsSpec, Draft, FrequentWordsSpec
 from trainer.evals.ruler.templates import CWE_PREFIX, CWE_TEMPLATE, FWE_PREFIX, FWE_TEMPLATE
 from trainer.evals.ruler.words import letter_strings
+from trainer.evals.ruler.zipf import zipf_counts
 
 
 def numbered(words: list[str]) -> str:
@@ -60,35 +59,6 @@ def generate_cwe(spec: CommonWordsSpec, rng: np.random.Generator, size: int, len
     return Draft(text="\n".join(shots) + "\n" + text if shots else text,
                  answer_prefix=CWE_PREFIX.format(num_cw=spec.num_cw),
                  references=task_words[:spec.num_cw])
-
-
-@functools.lru_cache(maxsize=16)
-def zeta(alpha: float) -> float:
-    """Riemann zeta(alpha) for alpha > 1: a partial sum plus the Euler-Maclaurin tail."""
-    n = 1000
-    head = float(np.sum(np.arange(1, n, dtype=np.float64) ** -alpha))
-    tail = n ** (1 - alpha) / (alpha - 1) + 0.5 * n ** -alpha + alpha * n ** (-alpha - 1) / 12
-    return head + tail
-
-
-def zipf_counts(size: int, alpha: float, vocab: int) -> np.ndarray:
-    """[vocab] occurrences of rank 1..vocab: int(size * k^-alpha / zeta(alpha))."""
-    k = np.arange(1, vocab + 1, dtype=np.float64)
-    return (size * k ** -alpha / zeta(alpha)).astype(np.int64)
-
-
-@functools.lru_cache(maxsize=16)
-def fwe_min_words(alpha: float) -> int:
-    """The smallest Zipf sample size whose ranks 2, 3, 4 each occur, strictly more often than
-    the next rank: below it the three most frequent words are not well defined."""
-    k = np.arange(1, 6, dtype=np.float64)
-    for start in range(1, 10**9, 10**5):
-        sizes = np.arange(start, start + 10**5, dtype=np.float64)[:, None]
-        c = (sizes * k ** -alpha / zeta(alpha)).astype(np.int64)  # [sizes, 5]
-        ok = (c[:, 3] >= 1) & (c[:, 1] > c[:, 2]) & (c[:, 2] > c[:, 3]) & (c[:, 3] > c[:, 4])
-        if ok.any():
-            return start + int(np.argmax(ok))
-    raise ValueError(f"no Zipf sample size works for alpha={alpha}")
 
 
 def fwe_vocab_size(spec: FrequentWordsSpec, length: int) -> int:

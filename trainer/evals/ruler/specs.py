@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from trainer.errors import UserError
 from trainer.evals.ruler.templates import TOKENS_TO_GENERATE
+from trainer.evals.ruler.zipf import fwe_min_words
 
 NEEDLE_KINDS = ("words", "numbers", "uuids")
 
@@ -178,8 +179,6 @@ class FrequentWordsSpec:
     needs_text = False
 
     def min_size(self, length: int) -> int:
-        from trainer.evals.ruler.aggregation import fwe_min_words
-
         return fwe_min_words(self.alpha)
 
 
