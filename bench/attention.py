@@ -51,7 +51,7 @@ class Variant:
     # False where memory the variant keeps between calls (CUDA graphs' pools) is outside the
     # measured peak: such a peak is no figure to judge a memory goal on
     peak_complete: bool = True
-    kernel: str = "cudnn"  # attention.kernel while it runs (kernels.py)
+    kernel: str = "cudnn"  # trainer.attention_kernel while it runs (kernels.py)
 
 
 def causal_flops(b: int, h: int, s: int, d: int) -> float:
@@ -111,10 +111,10 @@ def fa4() -> Variant:
 
 def dca(chunk_size: int, local_size: int, name: str = "dca",
         cuda_graphs: bool = False, kernel: str = "cudnn", path: str = "default") -> Variant:
-    """`path`, under fa4 (attention.dca_backward, dca/grouped.py): "default" (auto: DCA's
+    """`path`, under fa4 (trainer.dca_backward, dca/grouped.py): "default" (auto: DCA's
     kernels where they apply, the backward in pieces), "one_call" (one_piece: the backward
     kernel in one piece), "keep" (auto, the forward's rotations kept for the backward:
-    attention.dca_keep_rotated) or "parts" (the part calls both ways)."""
+    trainer.dca_keep_rotated) or "parts" (the part calls both ways)."""
     backward = {"one_call": "one_piece", "parts": "parts"}.get(path, "auto")
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -386,9 +386,8 @@ def main() -> None:
                   f"{statistics.median(r):.3f}x ({min(r):.3f} - {max(r):.3f}) | "
                   + " | ".join(f"{statistics.median(x):.3f}x" if x else "-" for x in by_order)
                   + " |")
-    if lse_attention.REFUSED:
-        print("\nkernel calls refused (fell back to the next backend):",
-              sorted(map(str, lse_attention.REFUSED)))
+    if lse_attention.FALLBACKS:
+        print("\nkernel fallbacks (asked for, ran, why):", sorted(lse_attention.FALLBACKS))
     if args.profile:
         chosen = next(v for v in variants if v.name.split("(")[0] == args.profile)
         print(f"\n{chosen.name} at {args.profile_seq}, {args.heads}/{args.profile_kv_heads} "

@@ -8,7 +8,7 @@ C = 8192: vs cuDNN causal SDPA, the ratio of the two rows' medians; vs FA4 causa
 of the alternating pairs' ratios, which clock and power drift between rows do not move; peak
 memory vs FA4 causal's); `--small`: the same at 8K (C = 2048, timed `--back-to-back`), vs
 cuDNN; `--train`: `bench/train.py --out` (gpt_1p3b MFU per attention and length). The goals
-are the default path's (`attention.dca_backward=auto`). bench/fa4_goals.sh's stages `inplace`
+are the default path's (`trainer.dca_backward=auto`). bench/fa4_goals.sh's stages `inplace`
 and `goals` (one GPU call each) run the measurements and this check.
 """
 

@@ -7,7 +7,7 @@
 #   small   bench.attention at 8K, DCA with C = 2048 (cuDNN, FA4), one call and 20 back to back
 #   graphs  DCA's passes replayed as CUDA graphs on FA4 (host time per FA4 call hidden), 8K
 #           C = 2048 and 32K C = 8192, one call per sample
-#   inplace DCA's kernels as the default (attention.dca_backward=auto: the backward kernel in
+#   inplace DCA's kernels as the default (trainer.dca_backward=auto: the backward kernel in
 #           groups of heads or pieces of rows, dQ rotated back in one pass) against one_piece and
 #           the part calls: 8K C = 2048 back to back; 32K and 128K with a profile of auto at
 #           32K and every variant's ratio to FA4 causal in alternating pairs (--paired)
@@ -57,9 +57,9 @@ for stage in "$@"; do
     goals) "$PYTHON" bench/train.py --models gpt_1p3b --attention standard dca \
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
-             attention.kernel=fa4 --set-for 131072 trainer.recompute=full \
-             --variant auto attention.dca_backward=auto \
-             --variant one_piece attention.dca_backward=one_piece \
+             trainer.attention_kernel=fa4 --set-for 131072 trainer.recompute=full \
+             --variant auto trainer.dca_backward=auto \
+             --variant one_piece trainer.dca_backward=one_piece \
              --out "$OUT/train_dca.json" > "$OUT/train_dca.log" 2>&1
            grep -E "^\| gpt" "$OUT/train_dca.log"
            "$PYTHON" bench/fa4_goals.py --long "$OUT/long.json" --small "$OUT/b8k.json" \
@@ -68,7 +68,8 @@ for stage in "$@"; do
              --seqs 32768 131072 --steps 8 --warmup 3 --steps-for 131072:5:2 \
              --set trainer.fused_norm=true trainer.fused_rope=true logger=none \
              --set-for 131072 trainer.recompute=full \
-             --variant cudnn attention.kernel=cudnn --variant fa4 attention.kernel=fa4 \
+             --variant cudnn trainer.attention_kernel=cudnn \
+             --variant fa4 trainer.attention_kernel=fa4 \
              --out "$OUT/train.json" > "$OUT/train.log" 2>&1
            grep -E "^\| gpt" "$OUT/train.log" ;;
     firstuse) "$PYTHON" bench/first_use.py --out "$OUT/first_use.json" \

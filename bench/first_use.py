@@ -33,8 +33,8 @@ def train_once(attention: str, kernel: str, args: argparse.Namespace, cache: Pat
     env = {**os.environ, **{var: str(cache / name) for var, name in CACHE_DIRS.items()}}
     command = [sys.executable, str(Path(__file__).with_name("train.py")), "--models", args.model,
                "--attention", attention, "--seqs", str(args.seq), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--set", *args.set, f"attention.kernel={kernel}",
-               "--out", str(out)]
+               "--warmup", str(args.warmup), "--set", *args.set,
+               f"trainer.attention_kernel={kernel}", "--out", str(out)]
     start = time.perf_counter()
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start

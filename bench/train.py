@@ -118,7 +118,7 @@ def summarize(rows: list[dict[str, Any]], warmup: int, profiled: bool) -> dict[s
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
         "timed_steps": len(timed),
-        "kernel": rows[0].get("attention_kernel", "?"),  # as the run resolved attention.kernel
+        "kernel": rows[0].get("attention_kernel", "?"),  # trainer.attention_kernel, resolved
     }
 
 

@@ -8,7 +8,10 @@ litgpt keeps a model config beside the weights). The run config itself is carrie
 
 Checkpoints saved before this record existed (`extra` without `meta_version`: the run config's
 `model`, `attention`, `trainer` and `data` groups, `tp` and `layout` at the top) are read into the
-same record.
+same record. The model's record holds what the model is; how a run ran it (the attention kernel,
+DCA's backward path and kept rotations) is in the run config's `trainer` group alone. Records
+written while the attention block still held those (`MOVED_FROM_ATTENTION`) read with them
+dropped.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from ckpt.saved_config import read_saved_config
+from models.options import MOVED_FROM_ATTENTION
 from models.schema import AttentionConfig, ModelConfig
 from models.validation import (
     SettingError,
@@ -81,8 +86,9 @@ class CheckpointMeta:
         return dataclasses.replace(self, **changes)
 
     def to_saved(self) -> dict[str, Any]:
-        """Plain Python values only, so the common state loads with `weights_only=True`."""
-        saved = dataclasses.asdict(self)
+        """Plain Python values only, so the common state loads with `weights_only=True` (a
+        choice, a `StrEnum` member, as its string)."""
+        saved = _plain(dataclasses.asdict(self))
         saved["meta_version"] = META_VERSION
         return saved
 
@@ -157,10 +163,27 @@ def _typed(cls: type, values: dict[str, Any] | None) -> Any:
     return cls(**values)
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def _attention(values: Any) -> AttentionConfig:
+    """The model's attention from a record's attention block, without the run settings a record
+    written before they moved out of it holds (`MOVED_FROM_ATTENTION`: the kernel, DCA's
+    backward path and kept rotations; not the model, whatever their value)."""
+    if isinstance(values, dict):
+        values = {k: v for k, v in values.items() if k not in MOVED_FROM_ATTENTION}
+    return _typed(AttentionConfig, values)
+
+
 def _current(extra: dict[str, Any]) -> CheckpointMeta:
     values = {k: v for k, v in extra.items() if k != "meta_version"}
     values["model"] = _typed(ModelConfig, values["model"])
-    values["attention"] = _typed(AttentionConfig, values["attention"])
+    values["attention"] = _attention(values["attention"])
     values["layout"] = _layout(values["layout"])
     if values.get("reshaped_from") is not None:
         values["reshaped_from"] = _layout(values["reshaped_from"])
@@ -188,7 +211,7 @@ def _legacy(extra: dict[str, Any], embedding_rows: int) -> CheckpointMeta:
     reshaped = extra.get("reshaped_from")
     return CheckpointMeta(
         model=_typed(ModelConfig, config["model"]),
-        attention=_typed(AttentionConfig, config.get("attention")),
+        attention=_attention(config.get("attention")),
         layout=layout,
         seq_length=int(trainer["seq_length"]),
         vocab_size=int((hf or {}).get("vocab_size") or extra.get("vocab_size")

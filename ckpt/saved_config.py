@@ -102,7 +102,7 @@ def unresolved_env(cfg: DictConfig) -> dict[str, Any]:
     that read the environment (`${oc.env:NAME}`), kept as their literal text, and so is any value
     interpolating one (`OmegaConf.to_container(cfg, resolve=True)` wrote the secret itself into
     the checkpoint's saved config, an export's manifest and wandb's files)."""
-    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)  # a choice: its name
     return OmegaConf.to_container(OmegaConf.create(_env_as_text(raw)), resolve=True)
 
 
@@ -125,12 +125,14 @@ def saved_yaml(values: dict[str, Any]) -> str:
 
 def written_settings(cfg: DictConfig) -> dict[str, Any]:
     """The `model`, `attention` and `run_config` of a run's checkpoint record: the run config as
-    configured (`unresolved_env`: an environment interpolation stays its text); the model and
+    configured (`unresolved_env`: an environment interpolation stays its text; the run settings,
+    the `trainer` group's kernel and DCA paths included, are there alone); the model and
     attention as built (resolved: they are the model), the model's free-text name excepted."""
     from models.schema import AttentionConfig, ModelConfig
 
     written = unresolved_env(cfg)
-    model = OmegaConf.to_container(cfg.model, resolve=True) | {"name": written["model"]["name"]}
-    return {"model": ModelConfig(**model),
-            "attention": AttentionConfig(**OmegaConf.to_container(cfg.attention, resolve=True)),
+    model = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True) \
+        | {"name": written["model"]["name"]}
+    attention = OmegaConf.to_container(cfg.attention, resolve=True, enum_to_str=True)
+    return {"model": ModelConfig(**model), "attention": AttentionConfig(**attention),
             "run_config": saved_yaml(written)}

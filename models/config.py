@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.attention.registry import check_attention
+from models.options import DCABackward
 from models.rope_scaling import NO_SCALING, RopeScaling
 from models.schema import AttentionConfig
 
@@ -18,6 +19,9 @@ class LongContextConfig(TransformerConfig):
     attention: the typed attention settings (models.schema.AttentionConfig; its kind's variant
     in models/attention/registry.py), carried whole rather than copied field by field.
     dca_cuda_graphs: DCA's passes replayed as CUDA graphs (models/attention/dca/graphs.py).
+    dca_backward, dca_keep_rotated: DCA's path under FA4 and whether its backward takes the
+    forward's rotated q and k (models/attention/dca/grouped.py); run settings like the graphs
+    (models.options.BuildOptions), not part of `attention`, what the model is.
     recompute_keep_attention: under full recompute, each core attention keeps its output and LSE
     from the first forward instead of running again (models/recompute.py).
     """
@@ -26,6 +30,8 @@ class LongContextConfig(TransformerConfig):
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = NO_SCALING  # context scaling of every RoPE (models/rope_scaling.py)
     dca_cuda_graphs: bool = False
+    dca_backward: DCABackward = DCABackward.auto
+    dca_keep_rotated: bool = False
     recompute_keep_attention: bool = False  # full recompute keeps core-attention results
     fused_rmsnorm: bool = False  # the layers' RMSNorms as one Triton pass (models/fused_rmsnorm.py)
 
@@ -35,6 +41,9 @@ class LongContextConfig(TransformerConfig):
             self._validate_head_gate()
         super().__post_init__()
         variant = check_attention(self.attention)
+        if self.dca_backward not in tuple(DCABackward):
+            raise ValueError(f"dca_backward must be one of {', '.join(DCABackward)}, got "
+                             f"{self.dca_backward!r}")
         if self.fused_rmsnorm and self.normalization != "RMSNorm":
             raise ValueError(f"fused_rmsnorm needs normalization RMSNorm, not {self.normalization}")
         if self.recompute_keep_attention and self.recompute_granularity != "full":

@@ -32,7 +32,7 @@ class BuiltModel:
     chunks: list[GPTModel]  # one per virtual pipeline stage; one without interleaving
     config: LongContextConfig
     vocab_size: int  # the padded vocabulary: rows of the embedding and output layer
-    attention_kernel: str = "math"  # what attention.kernel resolved to (kernels.py): run labels
+    attention_kernel: str = "math"  # what options.attention_kernel resolved to: run labels
 
     @property
     def gpt(self) -> GPTModel:
@@ -147,7 +147,8 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig,
     (models/fused_rope.py) for the layers megatron rotates, and, where it rotates every layer,
     its `fused_single_qkv_rope` (the QKV split and RoPE in one pass); a variant that rotates q
     and k itself (DCA, in its own fused kernels) is unaffected. `options.dca_cuda_graphs` (DCA
-    on the GPU only) replays DCA's passes as CUDA graphs (models/attention/dca/graphs.py).
+    on the GPU only) replays DCA's passes as CUDA graphs (models/attention/dca/graphs.py);
+    `options.dca_backward` and `dca_keep_rotated` pick DCA's path under FA4 (dca/grouped.py).
     """
     attention, parallel = typed_attention(attention), parallel or ParallelConfig()
     tp, pp, o = parallel.tp, parallel.pp, options
@@ -202,6 +203,8 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig,
         rope_theta=model.rope_theta,
         rope_scaling=rope_scaling(model),
         dca_cuda_graphs=o.dca_cuda_graphs and o.on_gpu,
+        dca_backward=o.dca_backward,
+        dca_keep_rotated=o.dca_keep_rotated,
         **recompute_kwargs,
     )
 
@@ -246,7 +249,7 @@ def build_model(model: ModelConfig, attention: AttentionConfig, parallel: Parall
     `vocab_size` is the tokenizer's (or a checkpoint's already padded) size; it is padded as
     every TP size pads it, so checkpoints keep one embedding shape."""
     # Every attention call of this process uses the kernel the setting resolves to here.
-    kernel = kernels.use(getattr(attention, "kernel", "auto"), cuda=options.on_gpu)
+    kernel = kernels.use(str(options.attention_kernel), cuda=options.on_gpu)
     vocab = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, parallel.tp)
     config = transformer_config(model, attention, parallel, options)
     vpp = config.virtual_pipeline_model_parallel_size

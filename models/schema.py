@@ -4,11 +4,43 @@ These dataclasses are the `model`, `attention` and `parallel` groups of the Hydr
 (`trainer/config.py` composes them into the run's schema) and the inputs of the one model
 factory, `models.gpt.build_model`. They hold plain values only, so a checkpoint's saved config
 rebuilds the same model anywhere (`ckpt`, `trainer.eval`).
+
+How a model *runs* (its GPU kernel, DCA's backward path, precision, recompute) is not here:
+those are the run's settings (`trainer` group, `models.options.BuildOptions`).
+
+Every setting with a fixed set of values is a `StrEnum` (declared once, here for the model's):
+Hydra refuses any other value when it composes the config, and a member still equals its
+string (`kind == "dca"`) and writes as it (JSON, YAML).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class AttentionKind(StrEnum):
+    """`attention.kind`: the names of models/attention/registry.py's variants (one each)."""
+
+    standard = "standard"
+    dca = "dca"
+    chunked = "chunked"
+
+
+class DCAScalingKind(StrEnum):
+    """`attention.dca_scaling` (models/attention/dca/scaling.py)."""
+
+    none = "none"
+    log = "log"  # Llama 4's attn_temperature_tuning
+    yarn = "yarn"  # Qwen2.5-1M's YaRN temperature
+
+
+class DCAScaledParts(StrEnum):
+    """`attention.dca_scaling_parts`: which of DCA's three parts the scaling multiplies."""
+
+    all = "all"
+    succ_inter = "succ_inter"
+    inter = "inter"
 
 
 @dataclass
@@ -52,30 +84,21 @@ def head_dim_of(model: ModelConfig) -> int:
 class AttentionConfig:
     """Core attention variant. `+attention=<name>` selects one of `conf/attention/*.yaml`."""
 
-    kind: str = "standard"  # standard | dca | chunked
-    # GPU kernel of every attention kind (models/attention/kernels.py): auto (FlashAttention-4
-    # on SM90+ when installed, else cudnn) | fa4 | cudnn | flash | math
-    kernel: str = "auto"
+    kind: AttentionKind = AttentionKind.standard  # the core (models/attention/registry.py)
     # DCA's chunk C and local window w (chunk length C - w). Under +attention=dca, unset: the
     # run's seq_length / 4 (at most 8192) and C / 8 for a model trained from scratch; for an
     # existing model (eval, generate, a fine-tune, export) the sizes it was trained with, or
     # 3T/4 and T/16 of its length T (dca_pretrained_split)
     dca_chunk_size: int = 8192
     dca_local_size: int = 1024
-    # Length-dependent logit scaling for DCA (models/attention/dca/scaling.py; defaults: sources)
-    dca_scaling: str = "none"  # none | log (Llama 4) | yarn (Qwen2.5-1M)
-    dca_scaling_parts: str = "all"  # all | succ_inter | inter
+    # Length-dependent logit scaling for DCA (models/attention/dca/scaling.py; defaults: the
+    # sources'): log (Llama 4), yarn (Qwen2.5-1M)
+    dca_scaling: DCAScalingKind = DCAScalingKind.none
+    # the parts it scales: all, succ_inter (successive and inter-chunk), inter
+    dca_scaling_parts: DCAScaledParts = DCAScaledParts.all
     dca_scaling_attn_scale: float = 0.1
     dca_scaling_floor_scale: int = 8192  # log only
     dca_scaling_original_length: int | None = None  # yarn only; None: dca_chunk_size
-    # DCA under FA4, where its own kernels apply (models/attention/dca/grouped.py): auto (both
-    # kernels, the backward in groups of heads or pieces of query rows: bounded memory) |
-    # one_piece (the backward in one piece: ~1% faster at 32K, ~2.3x the attention's memory) |
-    # parts (the part calls)
-    dca_backward: str = "auto"
-    # DCA's kernels: keep the forward's rotated queries and keys for the backward instead of
-    # rotating them again (activation memory for speed: 3 copies of q and one of k per layer)
-    dca_keep_rotated: bool = False
     chunk_size: int = 8192  # chunked: a query sees its chunk (unset: seq_length / 4, <= 8192)
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)
     head_wise_attn_gate: bool = False

@@ -19,7 +19,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, fields
 from typing import Any
 
-from models.schema import AttentionConfig, ModelConfig
+from models.schema import (
+    AttentionConfig,
+    AttentionKind,
+    DCAScaledParts,
+    DCAScalingKind,
+    ModelConfig,
+)
 
 MAX_LAYERS = 1024
 MAX_HIDDEN = 1 << 17  # 131072
@@ -113,23 +119,15 @@ def _model_rules() -> dict[str, Rule]:
 
 
 def _attention_rules() -> dict[str, Rule]:
-    from models.attention.dca.plan import BACKWARDS
-    from models.attention.dca.scaling import SCALED_PARTS, SCALING_KINDS
-    from models.attention.kernels import KERNELS
-    from models.attention.registry import VARIANTS
-
     return {
-        "kind": choice(*VARIANTS),
-        "kernel": choice(*KERNELS),
+        "kind": choice(*AttentionKind),
         "dca_chunk_size": whole(1, MAX_LENGTH),
         "dca_local_size": whole(1, MAX_LENGTH),
-        "dca_scaling": choice(*SCALING_KINDS),
-        "dca_scaling_parts": choice(*SCALED_PARTS),
+        "dca_scaling": choice(*DCAScalingKind),
+        "dca_scaling_parts": choice(*DCAScaledParts),
         "dca_scaling_attn_scale": real(0),
         "dca_scaling_floor_scale": whole(1, MAX_LENGTH),
         "dca_scaling_original_length": whole(1, MAX_LENGTH, optional=True),
-        "dca_backward": choice(*BACKWARDS),
-        "dca_keep_rotated": flag,
         "chunk_size": whole(1, MAX_LENGTH),
         "global_layer_interval": whole(0, MAX_LAYERS),
         "head_wise_attn_gate": flag,

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -184,11 +185,12 @@ def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> No
 
 
 def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
-                  threads: int | None, new_session: bool) -> None:
+                  threads: int | None, new_session: bool, file_size_limit: int | None) -> None:
     """In a forkserver child: what `python -m args[0] args[1:]` does (the module as `__main__`,
     argv, working directory, environment, exit status, atexit handlers), stdout to `out` and
     stderr to `err`; `threads`: torch's threads, as torchrun's OMP_NUM_THREADS=1 sets them;
-    `new_session`: as `subprocess.Popen(start_new_session=True)`."""
+    `new_session`: as `subprocess.Popen(start_new_session=True)`; `file_size_limit`: bytes, as
+    `ulimit -f` (a write past it fails with EFBIG: Python ignores SIGXFSZ)."""
     if new_session:
         os.setsid()
     os.chdir(cwd)
@@ -200,7 +202,14 @@ def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    if file_size_limit is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
     sys.argv = list(args)  # run_module makes argv[0] the module's file, as under -m
+    # runpy's note that the server preloaded the module: the harness's doing, not the command's
+    warnings.filterwarnings("ignore", r".* found in sys.modules after import of package",
+                            RuntimeWarning)
     code: int | str | None = 0
     try:
         runpy.run_module(args[0], run_name="__main__", alter_sys=True)
@@ -224,12 +233,14 @@ class ModuleRun:
     communicate (stdout and stderr as text), returncode (-N: killed by signal N)."""
 
     def __init__(self, module: str, args: list[str], cwd: Path, env: dict[str, str],
-                 logs: Path, threads: int | None = None, new_session: bool = False) -> None:
+                 logs: Path, threads: int | None = None, new_session: bool = False,
+                 file_size_limit: int | None = None) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = logs / "stdout", logs / "stderr"
         self.process = mp.get_context("forkserver").Process(
             target=_module_child, args=([module, *args], str(cwd), env, str(self.out),
-                                        str(self.err), threads, new_session))
+                                        str(self.err), threads, new_session,
+                                        file_size_limit))
         self.process.start()
         self.pid = self.process.pid
 
@@ -271,7 +282,8 @@ def _module_env(env: dict[str, str | None] | None) -> dict[str, str]:
 
 def start_module(module: str, args: list[str], cwd: Path,
                  env: dict[str, str | None] | None = None, logs: Path | None = None,
-                 threads: int | None = None, new_session: bool = False) -> ModuleRun:
+                 threads: int | None = None, new_session: bool = False,
+                 file_size_limit: int | None = None) -> ModuleRun:
     """Start `python -m module args` in `cwd` as a child of the forkserver that imported torch,
     megatron, the trainer and the checkpoint tool once (a new interpreter spends ~7 s on them):
     the entry point's own code from its first line, in a process of its own (its locks, signals
@@ -280,14 +292,15 @@ def start_module(module: str, args: list[str], cwd: Path,
     interpreter's own start (import-time warnings, sys.path, a missing module) is what it does
     not test: tests/trainer/test_entry_errors.py and test_quiet_run.py run new interpreters."""
     logs = logs or cwd.parent / f".{cwd.name}.run{os.getpid()}-{next(_runs)}"
-    return ModuleRun(module, args, cwd, _module_env(env), logs, threads, new_session)
+    return ModuleRun(module, args, cwd, _module_env(env), logs, threads, new_session,
+                     file_size_limit)
 
 
 def run_module(module: str, args: list[str], cwd: Path,
-               env: dict[str, str | None] | None = None,
-               timeout: float = 600) -> subprocess.CompletedProcess:
+               env: dict[str, str | None] | None = None, timeout: float = 600,
+               file_size_limit: int | None = None) -> subprocess.CompletedProcess:
     """`start_module` to its end: the exit status and output (it is killed after `timeout`)."""
-    run = start_module(module, args, cwd, env)
+    run = start_module(module, args, cwd, env, file_size_limit=file_size_limit)
     try:
         run.wait(timeout)
     finally:

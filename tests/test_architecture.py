@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -104,18 +105,18 @@ def test_no_module_imports_a_private_name(package: str) -> None:
 
 def test_each_attention_kind_is_declared_once() -> None:
     """The registry (models/attention/registry.py) is the one list of attention kinds: the
-    `conf/attention/*.yaml` kinds, the kinds `AttentionConfig` documents, and the registry's
-    keys are the same, and every registered module, function and probe resolves."""
+    `conf/attention/*.yaml` kinds, the names of `AttentionKind` (the choice of
+    `AttentionConfig.kind`, which Hydra checks at composition), and the registry's keys are the
+    same, and every registered module, function and probe resolves."""
     from models.attention.registry import VARIANTS, variant
-    from models.schema import AttentionConfig
+    from models.schema import AttentionConfig, AttentionKind
 
     yaml_kinds = {doc["kind"] for p in (REPO / "conf" / "attention").glob("*.yaml")
                   if "kind" in (doc := yaml.safe_load(p.read_text()) or {})}
     kind_field = next(f for f in fields(AttentionConfig) if f.name == "kind")
-    source = (REPO / "models" / "schema.py").read_text()
-    comment = next(line for line in source.splitlines() if line.strip().startswith("kind: str"))
-    documented = set(comment.split("#", 1)[1].replace("|", " ").split())
-    assert set(VARIANTS) == yaml_kinds == documented
+    assert kind_field.type == "AttentionKind"
+    assert list(VARIANTS) == [kind.value for kind in AttentionKind]
+    assert set(VARIANTS) == yaml_kinds
     assert kind_field.default in VARIANTS
     for name in VARIANTS:
         v = variant(name)
@@ -143,18 +144,53 @@ def test_each_attention_kind_is_declared_once() -> None:
     assert not others, f"attention kinds listed outside the registry: {others}"
 
 
+def _loaded_by(module: str) -> set[str]:
+    """The project modules that importing `module` loads: its module-level imports (any depth
+    of `if`/`try`, not those inside functions), their packages' `__init__`s, transitively."""
+    def path_of(name: str) -> Path | None:
+        base = REPO.joinpath(*name.split("."))
+        return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()),
+                    None)
+
+    def top_level(tree: ast.AST) -> list[ast.stmt]:
+        found = []
+        for node in getattr(tree, "body", []) + getattr(tree, "orelse", []) + [
+                h for h in getattr(tree, "handlers", [])] + getattr(tree, "finalbody", []):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(node)
+            elif isinstance(node, (ast.If, ast.Try, ast.ExceptHandler)):
+                found += top_level(node)
+        return found
+
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # a module's packages load first
+            prefix = ".".join(parts[:i])
+            if prefix in seen or path_of(prefix) is None:
+                continue
+            seen.add(prefix)
+            for node in top_level(ast.parse(path_of(prefix).read_text())):
+                if isinstance(node, ast.Import):
+                    todo += [alias.name for alias in node.names]
+                elif node.module and node.level == 0:
+                    todo.append(node.module)
+                    todo += [f"{node.module}.{alias.name}" for alias in node.names
+                             if path_of(f"{node.module}.{alias.name}")]
+    return seen
+
+
 def test_the_model_config_loads_no_kernel_module() -> None:
     """`models.config` (every config check reads it) loads DCA's settings checks, not its
-    kernels: they load when a model runs them."""
-    import subprocess
-    import sys
-
-    code = ("import sys, models.config; print(','.join(m for m in sys.modules if m.startswith("
-            "'models.attention.dca.') and m.rsplit('.', 1)[1] in ('grouped', 'fa4_forward', "
-            "'fa4_backward', 'dq_parts', 'fa4_parts', 'graphs')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
-    assert out.stdout.strip() == ""
+    kernels or its dispatcher: they load when a model runs them."""
+    kernels = {m for m in _loaded_by("models.config") if m.startswith("models.attention.dca.")
+               and m.rsplit(".", 1)[1] in ("grouped", "fa4_forward", "fa4_backward", "dq_parts",
+                                           "fa4_parts", "graphs", "dispatch", "attention")}
+    assert not kernels
+    assert {"models.attention.dca.grouped", "models.attention.dca.dispatch"} <= _loaded_by(
+        "models.attention.dca.module")  # the walk finds what a model's module loads
 
 
 def test_no_two_modules_import_each_other() -> None:
@@ -178,3 +214,35 @@ def test_no_two_modules_import_each_other() -> None:
     cycles = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
                      if b in graph and b != a and a in graph[b]})
     assert not cycles, f"modules importing each other: {cycles}"
+
+
+def test_the_dca_decision_table_names_the_dispatchers_paths() -> None:
+    """docs/architecture.md's table of DCA paths has a row for each path the dispatcher
+    returns (models/attention/dca/dispatch.py) and names no other."""
+    from models.attention.dca.dispatch import DCAPath
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## Which DCA path runs\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith(("| ---", "| condition"))]
+    named = [re.match(r"\s*`(\w+)`", cell)[1] for cell in rows]
+    assert sorted(named) == sorted(p.value for p in DCAPath)
+
+
+def test_dcas_kernel_constants_are_declared_once() -> None:
+    """The kernels' tile (128) and head dims are declared in models/attention/dca/plan.py and
+    imported everywhere else: no second module-level tile or head-dim constant in models/."""
+    found = []
+    for path in _sources("models"):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.Assign) or not isinstance(node.targets[0], ast.Name):
+                continue
+            name, value = node.targets[0].id, node.value
+            head_dims = isinstance(value, ast.Tuple) and [
+                getattr(e, "value", None) for e in value.elts] == [64, 96, 128]
+            tile = (isinstance(value, ast.Constant) and value.value == 128
+                    and re.search(r"TILE|BLOCK|ROW_MULTIPLE", name))
+            if head_dims or tile:
+                found.append(f"{path.relative_to(REPO)}:{name}")
+    assert found == ["models/attention/dca/plan.py:KERNEL_BLOCK",
+                     "models/attention/dca/plan.py:KERNEL_HEAD_DIMS"], found

@@ -2,10 +2,11 @@
 the code), each as its own test (so pytest-xdist spreads them), in one scratch directory that
 the test run's workers share, with tiny settings substituted:
 
-- a block preceded by `<!-- readme-test: skip (why) -->` or `<!-- readme-test: gpu (what) -->`
-  is not run, one preceded by `<!-- readme-test: shell -->` runs whole in bash (a multi-line
-  `python -c`), and a command that starts with neither `python` nor `torchrun` runs in bash
-  (`printf ... > f`); a word with `*` is expanded in the scratch directory as bash would;
+- a block preceded by `<!-- readme-test: skip (why) -->` is not run, nor here one marked
+  `<!-- readme-test: gpu (what) -->` (tests/gpu/test_readme_gpu.py runs those on a GPU), one
+  preceded by `<!-- readme-test: shell -->` runs whole in bash (a multi-line `python -c`),
+  and a command that starts with neither `python` nor `torchrun` runs in bash (`printf ... >
+  f`); a word with `*` is expanded in the scratch directory as bash would;
 - `$PWD` is the scratch directory, which links README.md, docs/ and bench/ from the repository;
 - `python -m` commands run in a child forked from an interpreter that imported torch, megatron
   and the trainer once (tests/conftest.py's `run_module`: the same module as `__main__`, argv,

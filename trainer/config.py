@@ -4,18 +4,26 @@ The model, attention and parallel groups are `models.schema`'s dataclasses; this
 run's own groups (data, trainer, checkpoint, logger, eval).
 
 The YAML groups under `conf/` fill these dataclasses; Hydra validates every override against them,
-so a misspelt key or a wrong type fails at composition with Hydra's own message.
+so a misspelt key, a wrong type or a value outside a choice (every choice is a `StrEnum`) fails
+at composition; `trainer.entry.check_overrides` makes that one `error:` line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from models.options import BuildOptions
+from models.options import (
+    MOVED_FROM_ATTENTION,
+    AttentionKernel,
+    BuildOptions,
+    DCABackward,
+    Recompute,
+)
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
 from trainer.defaults import register_resolvers
 from trainer.errors import UserError
@@ -25,6 +33,49 @@ from trainer.errors import UserError
 # module `conf`: under `python -m` the working directory comes first on sys.path, and a Hydra
 # project's own `conf/` there would shadow it (`pkg://conf` imports whatever `conf` wins).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+# Settings that moved out of the `attention` group (what the model is) into the `trainer` group
+# (how the run runs it): the old name -> the new one (`check_moved` refuses the old one).
+MOVED = {f"attention.{old}": f"trainer.{new}" for old, new in MOVED_FROM_ATTENTION.items()}
+
+
+class Precision(StrEnum):
+    """`trainer.precision` (parallel/placement.py's PRECISIONS)."""
+
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class Device(StrEnum):
+    """`trainer.device` (parallel/placement.py's DEVICES)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DecayStyle(StrEnum):
+    """`trainer.lr_decay_style` (megatron's OptimizerParamScheduler)."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Suite(StrEnum):
+    """`eval.suite`."""
+
+    passkey = "passkey"
+    ruler = "ruler"
+
+
+class Template(StrEnum):
+    """`eval.template`: the RULER prompts' format."""
+
+    base = "base"
+    chat = "chat"
+    auto = "auto"
 
 
 @dataclass
@@ -58,19 +109,19 @@ class TrainerConfig:
     min_lr: float | None = None  # the decay's floor; None: lr / 10 (on resume: the saved one)
     # linear warm-up steps; None: 5, fewer for a run of under 10 steps (max_steps // 2)
     warmup_steps: int | None = None
-    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    lr_decay_style: DecayStyle = DecayStyle.cosine  # after the warm-up, down to min_lr
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     grad_clip: float = 1.0
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
-    device: str = "auto"  # auto | cpu | cuda
+    precision: Precision = Precision.auto  # auto: bf16 on GPU, fp32 on CPU
+    device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
     seed: int = 1234
     log_interval: int = 1
     eval_interval: int = 20
     eval_batches: int = 2
     save_interval: int = 20
-    recompute: str = "none"  # none | selective | full (activation recomputation, megatron's)
+    recompute: Recompute = Recompute.none  # activation recomputation (megatron's)
     # selective: megatron's recompute_modules (core_attn, mlp); empty: megatron's [core_attn]
     recompute_modules: list[str] = field(default_factory=list)
     recompute_num_layers: int = 0  # full: recompute only the first N layers (0: every layer)
@@ -78,11 +129,24 @@ class TrainerConfig:
     recompute_keep_attention: bool = True
     fused_norm: bool = False  # RMSNorm: one Triton pass each way on the GPU (fused_rmsnorm.py)
     fused_rope: bool = False  # megatron's RoPE as one Triton pass each way (models/fused_rope.py)
+    # GPU kernel of every attention kind (models/attention/kernels.py); auto: FlashAttention-4
+    # on SM90+ when installed, else cudnn. Like every setting here, how the run runs the model,
+    # not what the model is (a checkpoint's model record leaves it out; its run config keeps it)
+    attention_kernel: AttentionKernel = AttentionKernel.auto
     # attention=dca: its forward and backward replayed as CUDA graphs, one capture per shape
     # (models/attention/dca/graphs.py): for short sequences and small chunks, where launching
     # DCA's ~100 kernels takes the host longer than the GPU needs to run them (packed documents
     # and parallel.cp > 1 run eagerly)
     dca_cuda_graphs: bool = False
+    # attention=dca under FA4, where DCA's own kernels apply (models/attention/dca/dispatch.py):
+    # auto (both kernels, the backward in groups of heads or pieces of query rows: attention
+    # memory within ~1.15x of causal's) | one_piece (the backward in one piece: ~1% faster at
+    # 32K, ~2.3x the attention's memory) | parts (the part calls both ways)
+    dca_backward: DCABackward = DCABackward.auto
+    # attention=dca with DCA's kernels: keep the forward's rotated queries and keys for the
+    # backward instead of rotating them again (activation memory for speed: 3 copies of q and
+    # one of k per layer; nothing is kept inside recomputed layers)
+    dca_keep_rotated: bool = False
 
 
 @dataclass
@@ -118,13 +182,14 @@ class EvalConfig:
     """`python -m trainer.eval`: passkey retrieval and perplexity by context length (suite
     passkey), or the RULER-style suite (suite ruler); and the suite subset run during training."""
 
-    suite: str = "passkey"  # passkey (passkey, multi-key, perplexity) | ruler (trainer/evals/ruler)
+    # passkey (passkey, multi-key, perplexity) | ruler (the RULER-style suite, trainer/evals/ruler)
+    suite: Suite = Suite.passkey
     # ruler: task names (None: all 13, the QA tasks when qa_file is given), samples per task and
     # length, prompt format (base | chat | auto: chat when the tokenizer has a chat template),
     # the effective-length threshold (RULER's 85.6), a SQuAD- or HotpotQA-format JSON file
     tasks: list[str] | None = None
     samples: int = 50
-    template: str = "auto"
+    template: Template = Template.auto
     threshold: float = 85.6
     qa_file: str | None = None
     write_inputs: bool = False  # ruler: also write the prompts as ruler_inputs.jsonl
@@ -182,15 +247,23 @@ class TrainConfig:
 
 def build_options(trainer: DictConfig, *, bf16: bool, on_gpu: bool) -> BuildOptions:
     """The model factory's run options from the `trainer` group (precision and device decided by
-    the caller): the one place the trainer's settings become `BuildOptions`."""
+    the caller): the one place the trainer's settings become `BuildOptions` (`run_options`: the
+    part of them a forward-only model takes)."""
     return BuildOptions(
-        bf16=bf16, on_gpu=on_gpu, recompute=trainer.recompute,
-        recompute_modules=tuple(trainer.recompute_modules),
+        bf16=bf16, on_gpu=on_gpu, attention_kernel=trainer.attention_kernel,
+        recompute=trainer.recompute, recompute_modules=tuple(trainer.recompute_modules),
         recompute_num_layers=trainer.recompute_num_layers,
         recompute_keep_attention=trainer.recompute_keep_attention,
         fused_norm=trainer.fused_norm, fused_rope=trainer.fused_rope,
-        dca_cuda_graphs=trainer.dca_cuda_graphs,
+        dca_cuda_graphs=trainer.dca_cuda_graphs, dca_backward=trainer.dca_backward,
+        dca_keep_rotated=trainer.dca_keep_rotated,
     )
+
+
+def run_options(trainer: DictConfig, *, bf16: bool, on_gpu: bool) -> BuildOptions:
+    """The options of a model that only runs forward (`trainer.eval`, `trainer.generate`): the
+    `trainer` group's attention kernel, nothing of training's (recomputation, DCA's backward)."""
+    return BuildOptions(bf16=bf16, on_gpu=on_gpu, attention_kernel=trainer.attention_kernel)
 
 
 def register_configs() -> None:
@@ -208,10 +281,30 @@ def command_line_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def check_moved(overrides: list[str]) -> None:
+    """Refuse a setting typed under the name it had before it moved (`MOVED`: `attention.kernel`
+    is `trainer.attention_kernel`), naming the new one, before Hydra says only that the key is
+    not in the attention group."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key in MOVED:
+            raise UserError(moved_message(key, value or None))
+
+
+def moved_message(key: str, value: str | None = None) -> str:
+    new = MOVED[key]
+    return (f"{key} is now {new}: how a run runs the model, not what the model is (a "
+            f"checkpoint's model leaves it out); set {new}={value or '...'} instead")
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     """Reject keys the schema lacks. Hydra's struct mode already stops `trainer.max_stepz=3`, but
     `+trainer.max_stepz=3` appends on purpose; a training run must not ignore it silently."""
     unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
+    moved = [key for key in unknown if key in MOVED]
+    if moved:
+        raise UserError(moved_message(moved[0], str(OmegaConf.select(cfg, moved[0]))))
     if unknown:
         raise UserError(f"unknown config keys: {', '.join(unknown)}; see `python -m trainer "
                          "--cfg job` for the valid ones")

@@ -3,13 +3,16 @@ generated from the typed configs (models/schema.py, trainer/config.py) and conf/
 it cannot drift from the code (tests/trainer/test_config_reference.py checks the file is
 current).
 
-Each key's description is the comment written beside (or just above) its field."""
+Each key's description is the comment written beside (or just above) its field; a choice (a
+`StrEnum` field) lists its values as its type."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import re
+import typing
+from enum import Enum
 from pathlib import Path
 
 from trainer.config import CONF_DIR, TrainConfig
@@ -42,12 +45,21 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 def _default(field: dataclasses.Field) -> str:
+    if isinstance(field.default, Enum):
+        return repr(field.default.value)
     if field.default is not dataclasses.MISSING:
         return repr(field.default)
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         value = field.default_factory()  # type: ignore[misc]
         return "(group)" if dataclasses.is_dataclass(value) else repr(value)
     return ""
+
+
+def _type(hint: object, written: str) -> str:
+    """A field's type as the reference shows it: a choice's values (`a` / `b`), else as written."""
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return "one of " + " / ".join(f"`{member.value}`" for member in hint)
+    return written.replace("|", "or")
 
 
 def _options(group: str) -> str:
@@ -66,8 +78,9 @@ def reference() -> str:
                                                          else "") + "\n")
         parts.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
         notes = _comments(cls)
+        hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            kind = str(field.type).replace("|", "or")
+            kind = _type(hints[field.name], str(field.type))
             parts.append(f"| `{group.name}.{field.name}` | {kind} | `{_default(field)}` | "
                          f"{notes.get(field.name, '').replace('|', '/')} |")
     for extra in ("experiment", "extrapolation"):

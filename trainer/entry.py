@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import TypeVar
 from omegaconf import DictConfig
 
 from ckpt.reader import CheckpointError
+from models.errors import AttentionTooLarge
 from parallel.placement import PlacementError
 from trainer.errors import UserError
 
@@ -26,9 +28,10 @@ from trainer.errors import UserError
 # ValueErrors are turned into UserError there, before the model is built. FileNotFoundError is
 # a path the user named (checkpoint.load, data.path, build_data's inputs); CheckpointError a
 # damaged or incompatible checkpoint (the same classification as `python -m ckpt`);
-# PlacementError a device, precision or layout that cannot be used (`parallel.placement`).
+# PlacementError a device, precision or layout that cannot be used (`parallel.placement`);
+# AttentionTooLarge an attention call past its path's memory bound (lengths the user chose).
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, CheckpointError, FileNotFoundError,
-                                                PlacementError)
+                                                PlacementError, AttentionTooLarge)
 
 T = TypeVar("T")
 EARLY_EXIT_GRACE_S = 5.0  # how long the other ranks let rank 0 report an early error
@@ -57,24 +60,53 @@ def report_user_error(err: BaseException) -> None:
 def check_overrides(argv: list[str], config_name: str = "config") -> DictConfig | None:
     """Compose the config from the command line's overrides before Hydra runs the job, so that a
     misspelt key, a wrong type or an unknown config group ends as one `error:` line with exit
-    status 2 instead of Hydra's multi-line report with status 1. Command lines with Hydra flags
-    (`-m`, `--help`, `--cfg`, ...) go to Hydra unchecked. Returns the composed config (None
-    when unchecked)."""
+    status 2 instead of Hydra's multi-line report with status 1: a value outside a choice is
+    `<setting>=<value> must be one of a, b, c`, a setting typed under its old name names the new
+    one (`trainer.config.check_moved`). Command lines with Hydra flags (`-m`, `--help`, `--cfg`,
+    ...) go to Hydra unchecked. Returns the composed config (None when unchecked)."""
     if any(arg.startswith("-") for arg in argv) or debug_requested():
         return None
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.config import CONF_DIR
+    from trainer.config import CONF_DIR, MOVED, check_moved, moved_message
 
+    try:
+        check_moved(argv)
+    except UserError as err:
+        report_user_error(err)
+        sys.exit(2)
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             return compose(config_name, overrides=argv)
     except (HydraException, OmegaConfBaseException) as err:
-        report_user_error(UserError(f"{_hydra_message(err)} (python -m trainer --help lists "
-                                    "the config groups)"))
+        message = _hydra_message(err)
+        moved = _OLD_ATTENTION_KEY.search(message)  # an old name in a config file of one's own
+        if moved and f"attention.{moved['key']}" in MOVED:
+            message = moved_message(f"attention.{moved['key']}")
+        else:
+            message = choice_message(err) or (f"{message} (python -m trainer --help lists the "
+                                              "config groups)")
+        report_user_error(UserError(message))
         sys.exit(2)
+
+
+_OLD_ATTENTION_KEY = re.compile(r"Key '(?P<key>\w+)' not in 'AttentionConfig'")
+# omegaconf's message for a value outside an Enum field's members
+_INVALID_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?P<valid>.*)\]")
+
+
+def choice_message(err: BaseException | None) -> str | None:
+    """`<setting>=<value> must be one of a, b, c` when `err` (or an error it comes from) is
+    omegaconf refusing a value outside a choice (an Enum field), else None."""
+    while err is not None:
+        match = _INVALID_CHOICE.search(str(err).splitlines()[0] if str(err) else "")
+        key = getattr(err, "full_key", None)
+        if match and key:
+            return f"{key}={match['value']!r} must be one of {match['valid']}"
+        err = err.__cause__
+    return None
 
 
 # Hydra's command-line flags that take a value (`--cfg job`); the others take none

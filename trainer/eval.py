@@ -35,6 +35,7 @@ from trainer.config import (
     check_known_keys,
     command_line_overrides,
     register_configs,
+    run_options,
 )
 from trainer.entry import arrange_argv, check_overrides, exits_on_user_error
 from trainer.evals.results import EvalResults
@@ -70,7 +71,8 @@ def run_attention(cfg: DictConfig, meta: CheckpointMeta, length: int) -> DictCon
         or OmegaConf.to_container(cfg.attention, resolve=True) != asdict(AttentionConfig())
     if chosen:
         typed = set_sizes(cfg.attention)
-        attention = OmegaConf.create(OmegaConf.to_container(cfg.attention, resolve=True))
+        attention = OmegaConf.create(OmegaConf.to_container(cfg.attention, resolve=True,
+                                                            enum_to_str=True))
     else:
         typed = set()
         attention = OmegaConf.create(literal(asdict(meta.attention)))
@@ -88,12 +90,12 @@ def load_model(cfg: DictConfig, model: DictConfig, tokenizer_spec: str, ckpt: Ch
     from megatron.core.transformer.module import Float16Module
 
     from ckpt.load import load_model_weights
-    from models.gpt import BuildOptions, build_model
+    from models.gpt import build_model
     from trainer.data.tokenizer import load_tokenizer
     from trainer.init_from import checkpoint_vocab
 
     tokenizer = load_tokenizer(tokenizer_spec)
-    options = BuildOptions(bf16=bf16, on_gpu=device.type == "cuda")
+    options = run_options(cfg.trainer, bf16=bf16, on_gpu=device.type == "cuda")
     built = build_model(model, cfg.attention, cfg.parallel,
                         vocab_size=checkpoint_vocab(ckpt, tokenizer.vocab_size, tokenizer_spec),
                         max_sequence_length=max(cfg.eval.lengths), options=options)
@@ -227,7 +229,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                                      data.valid_fraction, 0, data.max_documents)
         summary = {"checkpoint": str(ckpt.path), "step": meta.step,
                    "trained_attention": meta.attention.kind,
-                   "attention": OmegaConf.to_container(cfg.attention, resolve=True),
+                   "attention": OmegaConf.to_container(cfg.attention, resolve=True,
+                                                       enum_to_str=True),
                    "label": label, "rope": {k: v for k, v in OmegaConf.to_container(
                        model_cfg).items() if k.startswith("rope_")},
                    "trained_length": trained_length}

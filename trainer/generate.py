@@ -118,7 +118,7 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None
     from trainer.eval import checkpoint_data, load_model, run_attention
     from trainer.init_from import open_load
     from trainer.rope_override import typed_model_keys, with_rope_overrides
-    from trainer.validate import check_model, placement
+    from trainer.validate import check_kernel, check_model, placement
 
     check_settings(cfg)
     if cfg.checkpoint.load is None:
@@ -145,6 +145,7 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None
     check_model(model_cfg, attention, cfg.parallel)
     run = OmegaConf.merge(cfg, {"attention": attention, "eval": {"lengths": [total]}})
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
+    check_kernel(cfg.trainer.attention_kernel, cuda=device.type == "cuda")
     if cfg.kv_cache:
         check_cache(model_cfg, len(prompts), total, cfg.batch_size, bf16,
                     cfg.decode.max_cache_gb, device,

@@ -44,7 +44,7 @@ def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
         lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.max_steps,
-        lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+        lr_decay_style=str(t.lr_decay_style), start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.max_steps, wd_incr_style="constant",
         override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )

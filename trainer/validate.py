@@ -69,10 +69,24 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
                             f"{t.eval_interval})")
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
-    check_kernel(cfg.attention.kernel, cuda=device.type == "cuda", head_dim=head_dim_of(cfg.model))
-    if t.dca_cuda_graphs and cfg.attention.kind != "dca":
-        raise UserError(f"trainer.dca_cuda_graphs=true replays DCA's kernels, but attention is "
-                        f"{cfg.attention.kind!r}: add +attention=dca or drop the setting")
+    check_kernel(t.attention_kernel, cuda=device.type == "cuda", head_dim=head_dim_of(cfg.model))
+    _check_dca_run_settings(t, cfg.attention.kind)
+
+
+def _check_dca_run_settings(t: DictConfig, kind: str) -> None:
+    """DCA's own run settings (`trainer.dca_*`) changed from their defaults only with DCA."""
+    if kind == "dca":
+        return
+    for key, default, what in (("dca_cuda_graphs", False, "replays DCA's kernels"),
+                               ("dca_backward", "auto", "picks DCA's backward"),
+                               ("dca_keep_rotated", False, "keeps DCA's rotations")):
+        if t[key] != default:
+            raise UserError(f"trainer.{key}={_shown(t[key])} {what}, but attention is "
+                            f"{str(kind)!r}: add +attention=dca or drop the setting")
+
+
+def _shown(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def validate_eval(cfg: DictConfig) -> None:
@@ -92,7 +106,8 @@ def validate_eval(cfg: DictConfig) -> None:
         raise UserError(f"eval.attention_queries={cfg.eval.attention_queries} needs a count >= 0 "
                         f"and parallel.tp=1 (each TP rank holds only some heads; got tp="
                         f"{cfg.parallel.tp})")
-    placement(cfg.trainer.device, cfg.trainer.precision)
+    device, _ = placement(cfg.trainer.device, cfg.trainer.precision)
+    check_kernel(cfg.trainer.attention_kernel, cuda=device.type == "cuda")
     check_layout(p, None, None, None)
     check_wandb_settings(cfg)
     lengths = cfg.eval.lengths
@@ -176,26 +191,26 @@ def check_wandb_settings(cfg: DictConfig) -> None:
 
 
 def check_kernel(name: str, cuda: bool, head_dim: int | None = None) -> None:
-    """`attention.kernel` names a kernel that runs here (an explicit fa4 needs FlashAttention-4
-    installed and an SM90+ GPU; auto falls back by itself). Logs where FA4 leaves the model's
-    head dim to cuDNN."""
+    """`trainer.attention_kernel` names a kernel that runs here (an explicit fa4 needs
+    FlashAttention-4 installed and an SM90+ GPU; auto falls back by itself). Logs where FA4
+    leaves the model's head dim to cuDNN."""
     from models.attention.kernels import fa4_takes_head_dim, resolve
 
     try:
-        chosen = resolve(name, cuda)
+        chosen = resolve(str(name), cuda)
     except ValueError as err:
         raise UserError(str(err)) from err
     if chosen == "fa4" and head_dim is not None and not fa4_takes_head_dim(head_dim):
-        log.warning("attention.kernel=%s: head_dim %d runs on cuDNN (FlashAttention-4 serves "
-                    "multiples of 32 and head dims above 128; docs/benchmarks.md)", name,
+        log.warning("trainer.attention_kernel=%s: head_dim %d runs on cuDNN (FlashAttention-4 "
+                    "serves multiples of 32 and head dims above 128; docs/benchmarks.md)", name,
                     head_dim)
 
 
 def placement(device: str, precision: str) -> tuple[torch.device, bool]:
     """The run's device and whether it computes in bf16 (`parallel.placement`)."""
     try:
-        chosen = resolve_device(device)
-        return chosen, uses_bf16(precision, chosen)
+        chosen = resolve_device(str(device))
+        return chosen, uses_bf16(str(precision), chosen)
     except PlacementError as err:
         raise UserError(str(err)) from err
 

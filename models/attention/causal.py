@@ -1,5 +1,5 @@
-"""Standard causal attention: FlashAttention-4 or torch SDPA (the `attention.kernel` setting,
-kernels.py), GQA without repeated K/V, packed sequences."""
+"""Standard causal attention: FlashAttention-4 or torch SDPA (the run's
+`trainer.attention_kernel`, kernels.py), GQA without repeated K/V, packed sequences."""
 
 from __future__ import annotations
 

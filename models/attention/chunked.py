@@ -7,8 +7,8 @@ Implementation: every chunk is an independent causal attention problem, so the c
 into the batch dimension of a single causal ``scaled_dot_product_attention`` call (no mask tensor,
 so the fused flash / memory-efficient kernels stay eligible). Chunks shorter than C (the tail of a
 sequence, short documents) go into one extra causal call per distinct length instead of being
-padded to C. Under FlashAttention-4 (`attention.kernel`, kernels.py) the chunks of a batch-1
-sequence, packed or not, are the sequences of one varlen call instead.
+padded to C. Under FlashAttention-4 (`trainer.attention_kernel`, kernels.py) the chunks of a
+batch-1 sequence, packed or not, are the sequences of one varlen call instead.
 """
 
 from __future__ import annotations

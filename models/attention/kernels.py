@@ -1,4 +1,5 @@
-"""Which attention kernel runs on the GPU (`attention.kernel`), and the FlashAttention-4 calls.
+"""Which attention kernel runs on the GPU (`trainer.attention_kernel`), and the FlashAttention-4
+calls.
 
 Kernels (the setting's values):
   auto   FlashAttention-4 on SM90+ when it imports, else cudnn on CUDA (logged once per run)
@@ -25,13 +26,15 @@ from types import ModuleType
 
 import torch
 
+from models.options import AttentionKernel
+
 log = logging.getLogger(__name__)
 
-KERNELS = ("auto", "fa4", "cudnn", "flash", "math")
+KERNELS = tuple(AttentionKernel)  # the setting's values, declared in models/options.py
 FA4_INSTALL = 'pip install -e ".[fa4]"'
 
-# setting: the requested kernel (attention.kernel); gpu: what it resolved to for CUDA tensors
-# (None until a CUDA call or a GPU build resolves it); fa4 / fa4_error: the lazy import
+# setting: the requested kernel (trainer.attention_kernel); gpu: what it resolved to for CUDA
+# tensors (None until a CUDA call or a GPU build resolves it); fa4 / fa4_error: the lazy import
 _state: dict[str, object] = {"setting": "auto", "gpu": None, "fa4": None, "fa4_error": None}
 
 
@@ -60,7 +63,7 @@ def resolve(name: str, cuda: bool | None = None) -> str:
     default: whether one is present). Raises KernelUnavailable for an explicit fa4 that cannot
     run, ValueError for an unknown name."""
     if name not in KERNELS:
-        raise ValueError(f"attention.kernel={name!r} is unknown; choose one of "
+        raise ValueError(f"trainer.attention_kernel={name!r} is unknown; choose one of "
                          f"{', '.join(KERNELS)}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if name == "auto":
@@ -69,10 +72,10 @@ def resolve(name: str, cuda: bool | None = None) -> str:
         return "fa4" if _sm90_or_newer() and fa4_module() is not None else "cudnn"
     if name == "fa4" and cuda:
         if not _sm90_or_newer():
-            raise KernelUnavailable("attention.kernel=fa4 needs an SM90+ GPU (Hopper or newer); "
-                                    "use attention.kernel=auto or cudnn")
+            raise KernelUnavailable("trainer.attention_kernel=fa4 needs an SM90+ GPU (Hopper or "
+                                    "newer); use trainer.attention_kernel=auto or cudnn")
         if fa4_module() is None:
-            raise KernelUnavailable(f"attention.kernel=fa4 needs FlashAttention-4: "
+            raise KernelUnavailable(f"trainer.attention_kernel=fa4 needs FlashAttention-4: "
                                     f"{FA4_INSTALL} ({_state['fa4_error']})")
     return name
 
@@ -84,7 +87,7 @@ def use(name: str, cuda: bool | None = None) -> str:
     chosen = resolve(name, cuda)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if cuda and name == "auto" and _state["gpu"] != chosen:
-        log.info("attention.kernel=auto chose %s%s", chosen, "" if chosen == "fa4" else
+        log.info("trainer.attention_kernel=auto chose %s%s", chosen, "" if chosen == "fa4" else
                  f" (FlashAttention-4: {_state['fa4_error'] or 'needs an SM90+ GPU'})")
     _state["setting"], _state["gpu"] = name, chosen if cuda else None
     return chosen if cuda else "math"

@@ -11,11 +11,13 @@ backward recomputes P = exp(S * scale - lse), which with the merged lse is the g
 probability, and delta = rowsum(dO * out) with the merged out is the global delta, so the
 per-part dq, dk, dv are exact and simply add up.
 
-Backends: on CUDA with fp16/bf16, the kernel `attention.kernel` chose (kernels.py): FlashAttention-4
-(`_flash_attn_fwd` with its LSE, `_flash_attn_bwd` with the merged out/LSE), or torch's cuDNN
-SDPA ops, or its flash ops; a kernel that refuses a shape falls through to the next (fa4 ->
-cudnn -> flash -> math). Otherwise (CPU, float32/float64 on any device, or kernel math) a plain
-math path, which materialises the score matrix and is meant for tests and small problems.
+Backends: on CUDA with fp16/bf16, the kernel `trainer.attention_kernel` chose (kernels.py):
+FlashAttention-4 (`_flash_attn_fwd` with its LSE, `_flash_attn_bwd` with the merged out/LSE), or
+torch's cuDNN SDPA ops, or its flash ops. A kernel that cannot take a shape is passed over by a
+check (`refusal`), never by an exception caught: the next one runs (fa4 -> cudnn -> flash -> math),
+logged once with the reason, and a kernel's own error is the caller's. Otherwise (CPU,
+float32/float64 on any device, or kernel math) a plain math path, which materialises the score
+matrix, is meant for tests and small problems, and refuses calls past MATH_MAX_SCORE_BYTES.
 
 Layouts: q [b, hq, sq, d]; k, v [b, hk, sk, d] with hk dividing hq (GQA is native everywhere:
 K/V are never repeated); any strides with a unit last stride. lse is [b, hq, sq], float32
@@ -24,41 +26,96 @@ K/V are never repeated); any strides with a unit last stride. lse is [b, hq, sq]
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from models.attention import kernels
 from models.attention.rope import triton
+from models.errors import AttentionTooLarge
 
 if triton is not None:
     import triton.language as tl
 
-# (backend, *_shape_key(q, k, causal)) a kernel refused; public so benchmarks can report it.
-REFUSED: set[tuple] = set()
+log = logging.getLogger(__name__)
+
+# (kernel asked for, kernel that ran, why) of every fallback so far; public so benchmarks and
+# GPU tests can report it
+FALLBACKS: set[tuple[str, str, str]] = set()
 _CUDNN_LSE_DIMS = [4]  # rank of the LSE the cuDNN forward returns; its backward wants the same
+# The most bytes the math path's S x S scores of one call may take (its backward holds about
+# three such tensors): past it the call is refused, in one line, rather than swapping or dying
+# in the allocator.
+MATH_MAX_SCORE_BYTES = 8 << 30
 
-
-def _shape_key(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
-    return (q.dtype, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], causal)
-
-
-def _backends(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
-    """Backends to try, in order, for these inputs."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return ["math"]
-    key = _shape_key(q, k, causal)
-    order = _ORDER[kernels.active()]
-    if not kernels.fa4_takes_head_dim(q.shape[-1]):
-        order = tuple(name for name in order if name != "fa4")
-    return [name for name in order if (name, *key) not in REFUSED] + ["math"]
-
-
-# The kernel setting -> backends to try before math (each falls through on a refused shape).
+# The kernel setting -> the kernels to try, in order, before math.
 _ORDER = {"fa4": ("fa4", "cudnn", "flash"), "cudnn": ("cudnn", "flash"), "flash": ("flash",),
           "math": ()}
-# What a refusing kernel raises: torch's ops RuntimeError, FA4's asserts and checks the others.
-_REFUSALS = (RuntimeError, AssertionError, ValueError, NotImplementedError)
+
+
+def refusal(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why kernel `name` (fa4, cudnn, flash) cannot take these CUDA fp16/bf16 inputs, or None:
+    the checks the kernels would otherwise fail on (head dim, strides, alignment)."""
+    head_dim = q.shape[-1]
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        return "a last stride other than 1"
+    if name == "fa4":
+        if not kernels.fa4_takes_head_dim(head_dim) or head_dim > 256:
+            return f"head dim {head_dim} (FA4 here: multiples of 32 up to 128, or up to 256)"
+        elements = 16 // q.element_size()  # FA4 loads 16-byte vectors
+        if any(x.data_ptr() % 16 or any(st % elements for st in x.stride()[:-1])
+               for x in (q, k, v)):
+            return "inputs not 16-byte aligned"
+        return None
+    if head_dim % 8:
+        return f"head dim {head_dim} not a multiple of 8"
+    if head_dim > (128 if name == "cudnn" else 256):
+        return f"head dim {head_dim} above {128 if name == 'cudnn' else 256}"
+    return None
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a fused kernel may run q: CUDA fp16/bf16."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The kernel that runs these inputs: the run's kernel where it takes them, else the next
+    that does (each fallback logged once, with its reason), else math; math on CPU and for
+    float32/float64."""
+    if not _fused(q):
+        return "math"
+    wanted = kernels.active()
+    reasons = []
+    for name in _ORDER[wanted]:
+        why = refusal(name, q, k, v)
+        if why is None:
+            if reasons:
+                _fell_back(wanted, name, "; ".join(reasons))
+            return name
+        reasons.append(f"{name}: {why}")
+    if reasons:
+        _fell_back(wanted, "math", "; ".join(reasons))
+    return "math"
+
+
+def _fell_back(wanted: str, taken: str, why: str) -> None:
+    if (wanted, taken, why) not in FALLBACKS:
+        FALLBACKS.add((wanted, taken, why))
+        log.warning("attention kernel %s cannot take a call (%s): %s runs it", wanted, why, taken)
+
+
+def check_math_size(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Refuse a math-path call whose scores [b, hq, sq, sk] exceed MATH_MAX_SCORE_BYTES."""
+    size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (
+        8 if q.dtype == torch.float64 else 4)
+    if size > MATH_MAX_SCORE_BYTES:
+        raise AttentionTooLarge(
+            f"attention on the math path over {q.shape[2]} x {k.shape[2]} scores of "
+            f"{q.shape[0] * q.shape[1]} heads needs {size / 2**30:.1f} GiB for its scores alone "
+            f"(bound {MATH_MAX_SCORE_BYTES >> 30} GiB): run it on a GPU in bf16 (a fused "
+            "kernel), or with shorter sequences or fewer tokens per batch")
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -67,17 +124,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 
     `causal` masks key j > query i (top-left aligned; callers use it only with sq == sk).
     """
-    for name in _backends(q, k, causal):
-        if name == "math":
-            return _math_forward(q, k, v, causal, scale)
-        try:
-            return _FORWARDS[name](q, k, v, causal, scale)
-        except torch.OutOfMemoryError:
-            raise
-        except _REFUSALS:
-            # the kernels reject some shapes (head dim, alignment); remember and fall through.
-            REFUSED.add((name, *_shape_key(q, k, causal)))
-    raise AssertionError("unreachable: the math backend always runs")
+    name = _backend(q, k, v)
+    if name == "math":
+        check_math_size(q, k)
+        return _math_forward(q, k, v, causal, scale)
+    return _FORWARDS[name](q, k, v, causal, scale)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,16 +138,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     dout and out must have q's layout; lse must be contiguous.
     """
-    for name in _backends(q, k, causal):
-        if name == "math":
-            return _math_backward(dout, q, k, v, out, lse, causal, scale)
-        try:
-            return _BACKWARDS[name](dout, q, k, v, out, lse, causal, scale)
-        except torch.OutOfMemoryError:
-            raise
-        except _REFUSALS:
-            REFUSED.add((name, *_shape_key(q, k, causal)))
-    raise AssertionError("unreachable: the math backend always runs")
+    name = _backend(q, k, v)
+    if name == "math":
+        check_math_size(q, k)
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    return _BACKWARDS[name](dout, q, k, v, out, lse, causal, scale)
 
 
 def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

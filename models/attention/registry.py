@@ -1,6 +1,7 @@
 """The attention variants: every kind declared once, with everything that depends on the kind.
 
-`+attention=<kind>` (models.schema.AttentionConfig.kind) picks one `AttentionVariant`:
+`+attention=<kind>` (models.schema.AttentionConfig.kind, an `AttentionKind`: the same names as
+`VARIANTS`, tests/test_architecture.py checks) picks one `AttentionVariant`:
 
     core      its megatron core-attention module (models/spec.py puts it in every layer);
     function  the pure function the module calls ([b, s, h, d] in and out);
@@ -22,9 +23,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any
 
-from models.attention.dca.plan import check_backward
 from models.attention.dca.scaling import DCAScaling
 from models.schema import AttentionConfig
 
@@ -79,7 +80,6 @@ def _check_dca(attention: AttentionConfig) -> None:
         raise ValueError(f"dca_chunk_size ({chunk}) must exceed dca_local_size ({local}); the "
                          "chunk length is their difference")
     dca_scaling(attention)  # its own checks name the bad setting
-    check_backward(attention.dca_backward)
 
 
 def _check_chunked(attention: AttentionConfig) -> None:
@@ -125,14 +125,19 @@ def check_attention(attention: AttentionConfig) -> AttentionVariant:
     changed from its default."""
     chosen = variant(attention.kind)
     chosen.check(attention)
-    defaults = {f.name: f.default for f in fields(AttentionConfig)}
+    defaults = {f.name: _plain(f.default) for f in fields(AttentionConfig)}
     for other in VARIANTS.values():
         for name in other.exclusive if other is not chosen else ():
-            value = getattr(attention, name)
+            value = _plain(getattr(attention, name))
             if value != defaults[name]:
                 raise ValueError(f"{name} ({value!r}) applies to attention kind {other.name!r}, "
                                  f"not {chosen.name!r}; set {name} to {defaults[name]!r}")
     return chosen
+
+
+def _plain(value: Any) -> Any:
+    """A choice's member as its string (messages show 'log', not <DCAScalingKind.log: 'log'>)."""
+    return value.value if isinstance(value, Enum) else value
 
 
 def is_global_layer(attention: AttentionConfig, layer_number: int) -> bool:

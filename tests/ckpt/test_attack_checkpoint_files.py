@@ -1,4 +1,4 @@
-"""Attacks through a checkpoint's own files (issue 31, hostile run items 5, 6 and 21): an index
+"""Attacks through a checkpoint's own files: an index
 whose stored paths lead to another checkpoint's data, a file linked out of its directory, a
 rewritten `common.pt` that the exports must refuse as verify and resume do, a reshape of a
 damaged source, and the old contents a killed `--overwrite` stranded beside a missing DST."""
@@ -26,7 +26,7 @@ READERS = {"verify": None, "export-hf": [], "export": ["--format", "zarr"],
 
 
 def _copy(root: Path, tmp_path: Path) -> Path:
-    """A copy of the session's checkpoints root (iter_2 and iter_4): returns its iter_4."""
+    """A copy of the test module's checkpoints root (iter_2 and iter_4): returns its iter_4."""
     return shutil.copytree(root, tmp_path / "root") / "iter_0000004"
 
 

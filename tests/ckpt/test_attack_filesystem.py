@@ -17,6 +17,7 @@ from ckpt import disk
 from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from ckpt.paths import TRACKER
+from tests.conftest import run_module
 
 
 def _export(root: Path, dst: Path, *extra: str) -> int:
@@ -165,30 +166,25 @@ def test_export_hf_into_a_link_to_an_empty_directory_writes_there(root: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link"]
 
 
-def _under_file_size_limit(limit: int, argv: list[str]) -> subprocess.CompletedProcess:
+def _under_file_size_limit(limit: int, argv: list[str],
+                           cwd: Path) -> subprocess.CompletedProcess:
     """`python -m ckpt ARGV` with `ulimit -f` at `limit` bytes (Python ignores SIGXFSZ: a write
-    past the limit fails with EFBIG)."""
-    import resource
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return subprocess.run([sys.executable, "-m", "ckpt", *argv], preexec_fn=limited,
-                          capture_output=True, text=True, timeout=300)
+    past the limit fails with EFBIG), forked from the preloaded server (tests/conftest.py)."""
+    return run_module("ckpt", argv, cwd, timeout=300, file_size_limit=limit)
 
 
-@pytest.mark.slow  # two interpreters importing torch and megatron: CI runs it
+@pytest.mark.slow  # two runs of the command line: CI runs it
 def test_export_hf_under_a_file_size_limit_is_one_line(root: Path, tmp_path: Path) -> None:
     """Before: `SafetensorError: File too large` and a traceback. 1.7 MB of weights: refused
     before any work under a 256 KB limit; with shards of 100 KB, the 196 KB MLP weight crosses
     a 150 KB limit while writing, and the partial output goes."""
     dst = tmp_path / "hf"
-    early = _under_file_size_limit(256_000, ["export-hf", str(root), str(dst)])
+    early = _under_file_size_limit(256_000, ["export-hf", str(root), str(dst)], tmp_path)
     assert early.returncode == 2 and len(early.stderr.strip().splitlines()) == 1, early.stderr
     assert "may write files of at most 256.0 KB (ulimit -f)" in early.stderr
     assert "--max-shard-bytes 128000" in early.stderr
     late = _under_file_size_limit(150_000, ["export-hf", str(root), str(dst),
-                                            "--max-shard-bytes", "100000"])
+                                            "--max-shard-bytes", "100000"], tmp_path)
     assert late.returncode == 2 and len(late.stderr.strip().splitlines()) == 1, late.stderr
     assert "a file reached this process's file-size limit of 150.0 KB (ulimit -f)" in late.stderr
     assert list(tmp_path.iterdir()) == []

@@ -9,11 +9,8 @@ this surface starts here.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +20,7 @@ import pytest
 import ckpt.hf_import
 from ckpt.__main__ import main
 from tests.ckpt.hf_models import save_hf
+from tests.conftest import run_module
 
 INDEX = "model.safetensors.index.json"
 
@@ -71,11 +69,9 @@ def test_a_billion_layers_is_refused_fast_against_the_tensors_present(hf: Path, 
     (models/validation.py) refuses it, and the layer count present decides below it."""
     _edit(hf / "config.json", num_hidden_layers=layers)
     start = time.monotonic()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "ckpt", "import-hf", str(hf),
-                               str(hf.parent / "dst"), "--dry-run"], capture_output=True,
-                              text=True, timeout=120, env=os.environ | {"PYTHONPATH": os.getcwd()})
-    except subprocess.TimeoutExpired:
+    proc = run_module("ckpt", ["import-hf", str(hf), str(hf.parent / "dst"), "--dry-run"],
+                      hf.parent, timeout=120)
+    if proc.returncode == -9:
         pytest.fail("import-hf --dry-run still running after 120 s")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and f"num_hidden_layers={layers}" in proc.stderr

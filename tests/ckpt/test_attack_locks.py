@@ -1,4 +1,4 @@
-"""Attacks on the lock protocol (issue 31, hostile run items 1 and 2): one lock (`ckpt.lock`,
+"""Attacks on the lock protocol: one lock (`ckpt.lock`,
 `D/run.lock`) that every writer of a run directory or checkpoints root honours, wherever the root
 lies. Before: a run whose run directory held another live run's absolute `checkpoint.dir` was not
 refused (with `checkpoint.overwrite=true` it deleted the live run's checkpoints), and
@@ -9,13 +9,13 @@ A live run is stood in for by a process that holds the lock exactly as `python -
 
 from __future__ import annotations
 
-import os
+import multiprocessing as mp
 import shutil
-import subprocess
-import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,35 +23,37 @@ import ckpt.destination
 from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, REPO
+from tests.conftest import FAST, run_module
 
-_HOLDER = """
-import sys, time
-from pathlib import Path
-from ckpt.lock import hold
-for path in sys.argv[1:]:
-    hold(Path(path))
-print("held", flush=True)
-time.sleep(600)
-"""
+
+def _hold(directories: list[str], ready: Any) -> None:
+    """In a forkserver child: hold `directories` as a running job does, until killed."""
+    from ckpt.lock import hold
+
+    for path in directories:
+        hold(Path(path))
+    ready.set()
+    time.sleep(600)
 
 
 @contextmanager
-def held(*directories: Path) -> Iterator[subprocess.Popen]:
-    """Another process holding `directories` as a running job does."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, *map(str, directories)],
-                            stdout=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": str(REPO)})
+def held(*directories: Path) -> Iterator[mp.Process]:
+    """Another process holding `directories` as a running job does (a child of the preloaded
+    forkserver, tests/conftest.py: its locks are its own, as a new interpreter's would be)."""
+    context = mp.get_context("forkserver")
+    ready = context.Event()
+    proc = context.Process(target=_hold, args=([str(d) for d in directories], ready))
+    proc.start()
     try:
-        assert proc.stdout.readline().strip() == "held"
+        assert ready.wait(120), "the holder did not take its locks"
         yield proc
     finally:
         proc.kill()
-        proc.communicate()
+        proc.join()
 
 
 def _live_root(root: Path, tmp_path: Path) -> Path:
-    """A copy of the session's checkpoints root, as a live run's `checkpoint.dir`."""
+    """A copy of the test module's checkpoints root, as a live run's `checkpoint.dir`."""
     return shutil.copytree(root, tmp_path / "X" / "checkpoints")
 
 
@@ -111,28 +113,47 @@ def test_a_dst_taken_by_a_run_while_the_command_writes_is_kept(tmp_path: Path) -
         assert sorted(p.name for p in dst.iterdir()) == ["run.lock"]  # the run's, untouched
 
 
-_CLAIM = """
-import sys
-from pathlib import Path
-from omegaconf import OmegaConf
-from trainer.run_dir import RunDirError, hold, hold_checkpoints
-cfg = OmegaConf.create({"checkpoint": {"dir": sys.argv[2], "save": True}})
-try:
-    hold(Path(sys.argv[1]))
-    hold_checkpoints(cfg, Path(sys.argv[1]))
-except RunDirError as e:
-    print(f"error: {e}")
-    sys.exit(2)
-print("claimed")
-"""
+def _claim_in_child(run_dir: str, checkpoint_dir: str, result: Any, stay: Any) -> None:
+    """In a forkserver child: what `python -m trainer hydra.run.dir=RUN checkpoint.dir=CKPT`
+    claims; "claimed" or the refusal into `result`, then, once claimed, wait while `stay`."""
+    from omegaconf import OmegaConf
+
+    from trainer.run_dir import RunDirError, hold, hold_checkpoints
+
+    cfg = OmegaConf.create({"checkpoint": {"dir": checkpoint_dir, "save": True}})
+    try:
+        hold(Path(run_dir))
+        hold_checkpoints(cfg, Path(run_dir))
+    except RunDirError as e:
+        result.put(f"error: {e}")
+        return
+    result.put("claimed")
+    while stay.is_set():
+        time.sleep(0.05)
 
 
-def _claim(run_dir: Path, checkpoint_dir: str) -> subprocess.CompletedProcess:
-    """What `python -m trainer hydra.run.dir=RUN checkpoint.dir=CKPT` claims, in a process of
-    its own (a lock lasts as long as its process)."""
-    return subprocess.run([sys.executable, "-c", _CLAIM, str(run_dir), checkpoint_dir],
-                          capture_output=True, text=True, timeout=120,
-                          env=os.environ | {"PYTHONPATH": str(REPO)})
+@contextmanager
+def _claiming(run_dir: Path, checkpoint_dir: str, stay: bool = False) -> Iterator[
+        tuple[str, mp.Process]]:
+    """What the claim of `run_dir` and `checkpoint_dir` says, in a process of its own (a lock
+    lasts as long as its process), kept alive inside the block if `stay`."""
+    context = mp.get_context("forkserver")
+    result, staying = context.Queue(), context.Event()
+    if stay:
+        staying.set()
+    proc = context.Process(target=_claim_in_child,
+                           args=(str(run_dir), checkpoint_dir, result, staying))
+    proc.start()
+    try:
+        yield result.get(timeout=120), proc
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def _claim(run_dir: Path, checkpoint_dir: str) -> str:
+    with _claiming(run_dir, checkpoint_dir) as (said, _):
+        return said
 
 
 def test_a_run_dir_holding_a_live_runs_checkpoint_dir_is_refused(tmp_path: Path) -> None:
@@ -142,14 +163,12 @@ def test_a_run_dir_holding_a_live_runs_checkpoint_dir_is_refused(tmp_path: Path)
     live = tmp_path / "X" / "checkpoints"
     with held(tmp_path / "Y", live) as y:
         claimed = _claim(tmp_path / "X", "checkpoints")
-        assert claimed.returncode == 2, claimed.stdout + claimed.stderr
-        assert f"checkpoint.dir {live} is in use by pid {y.pid} on" in claimed.stdout
+        assert f"checkpoint.dir {live} is in use by pid {y.pid} on" in claimed, claimed
         # ... and the other way round: Y's root inside X's run directory, X live
     with held(tmp_path / "X") as x:
         claimed = _claim(tmp_path / "Y", str(live))
-        assert claimed.returncode == 2, claimed.stdout + claimed.stderr
-        assert f"lies in {tmp_path / 'X'}, a directory in use by pid {x.pid}" in claimed.stdout
-    assert _claim(tmp_path / "X", "checkpoints").stdout.strip() == "claimed"  # all released
+        assert f"lies in {tmp_path / 'X'}, a directory in use by pid {x.pid}" in claimed, claimed
+    assert _claim(tmp_path / "X", "checkpoints") == "claimed"  # all released
 
 
 @pytest.mark.slow  # a real `python -m trainer` (tens of seconds): CI runs it
@@ -160,9 +179,8 @@ def test_the_attack_with_overwrite_keeps_the_live_runs_checkpoints(root: Path,
     live = _live_root(root, tmp_path)
     before = _listing(live)
     with held(tmp_path / "Y", live) as y:
-        proc = subprocess.run([sys.executable, "-m", "trainer", *FAST, "trainer.max_steps=2",
-                               "hydra.run.dir=X", "checkpoint.overwrite=true"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
+        proc = run_module("trainer", [*FAST, "trainer.max_steps=2", "hydra.run.dir=X",
+                                      "checkpoint.overwrite=true"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -175,18 +193,10 @@ def test_the_lock_of_a_checkpoint_dir_inside_the_run_dir_is_taken(tmp_path: Path
     directory too, so that another run's absolute `checkpoint.dir` there is refused."""
     from ckpt import lock
 
-    stays = _CLAIM.replace('print("claimed")', 'print("claimed", flush=True)\n'
-                                               'import time; time.sleep(600)')
-    proc = subprocess.Popen([sys.executable, "-c", stays, str(tmp_path / "X"), "checkpoints"],
-                            stdout=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": str(REPO)})
-    try:
-        assert proc.stdout.readline().strip() == "claimed"
+    with _claiming(tmp_path / "X", "checkpoints", stay=True) as (said, proc):
+        assert said == "claimed"
         assert lock.holder(tmp_path / "X").startswith(f"pid {proc.pid} on")
         assert lock.holder(tmp_path / "X" / "checkpoints") == lock.holder(tmp_path / "X")
-    finally:
-        proc.kill()
-        proc.communicate()
     assert lock.holder(tmp_path / "X" / "checkpoints") is None  # the OS released it
 
 

@@ -7,11 +7,8 @@ through `ckpt.saved_config.read_saved_config`, and every saved value that meets 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from ckpt.checksums import checkpoint_files, digests, write_manifest
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from ckpt.saved_config import SavedConfigError, read_saved_config
-from tests.conftest import FAST, REPO, compose_config
+from tests.conftest import FAST, REPO, compose_config, run_module
 
 SECRET = "s3cr3t-from-the-environment"
 
@@ -126,9 +123,7 @@ def test_ckpt_inspect_refuses_a_billion_laughs_in_one_line(root: Path, tmp_path:
     """Before: CPU-bound and hundreds of MB, still growing after two minutes."""
     bomb = _with_config(LEGACY_TRAIN, tmp_path / "bomb", lambda text: text + _billion_laughs(),
                         key="config")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "ckpt", "inspect", str(bomb)], env=env,
-                          capture_output=True, text=True, timeout=90)
+    proc = run_module("ckpt", ["inspect", str(bomb)], tmp_path, timeout=90)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1 and "anchors or aliases" in proc.stderr
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from ckpt.__main__ import main
 from ckpt.meta import CheckpointMeta, HFSource, MetaError
@@ -119,3 +120,112 @@ def test_a_checkpoint_without_a_record_is_refused(tmp_path: Path) -> None:
     ckpt.common = {k: v for k, v in ckpt.common.items() if k != "extra"}
     with pytest.raises(CheckpointError, match="holds no checkpoint record"):
         _ = ckpt.meta
+
+
+# Run settings the attention block held before they moved to the run config's `trainer` group
+# (models.options.MOVED_FROM_ATTENTION), as a record of then wrote them.
+OLD_ATTENTION_RUN_SETTINGS = {"kernel": "cudnn", "dca_backward": "one_piece",
+                              "dca_keep_rotated": True}
+
+
+def test_a_record_with_run_settings_in_its_attention_block_reads_without_them() -> None:
+    """A record written while AttentionConfig held the kernel and DCA's backward path reads as
+    the same model: those keys are dropped, whatever their values (they never were the model)."""
+    meta = _full_meta()
+    saved = meta.to_saved()
+    saved["attention"].update(OLD_ATTENTION_RUN_SETTINGS)
+    read = CheckpointMeta.from_saved(saved, embedding_rows=0, where="x")
+    assert read == meta
+    assert not set(OLD_ATTENTION_RUN_SETTINGS) & set(dataclasses.asdict(read.attention))
+    # the format before the record (the run config's attention group) too
+    legacy = {"config": "model: {}\nattention:\n  kind: dca\n  kernel: fa4\n  dca_backward: "
+                        "parts\n  dca_keep_rotated: true\n  dca_chunk_size: 64\n  "
+                        "dca_local_size: 16\ntrainer:\n  seq_length: 32\n", "step": 1}
+    old = CheckpointMeta.from_saved(legacy, embedding_rows=256, where="x")
+    assert (old.attention.kind, old.attention.dca_chunk_size, old.step) == ("dca", 64, 1)
+    # any other key the model's attention does not know is still refused
+    saved["attention"]["kernal"] = "fa4"
+    with pytest.raises(MetaError, match="kernal"):
+        CheckpointMeta.from_saved(saved, 0, "x")
+
+
+def test_the_record_holds_the_model_and_the_run_config_the_run_settings(tmp_path: Path) -> None:
+    """What the model is (the record's `model` and `attention`) holds no run setting; the run
+    config saved beside it holds them, under the `trainer` group; every saved value is plain
+    (a choice as its string: `weights_only` loads it)."""
+    from tests.conftest import FAST
+
+    cfg = compose_config(FAST + ["+attention=dca", "trainer.max_steps=2",
+                                 "trainer.attention_kernel=math", "trainer.dca_backward=parts",
+                                 "trainer.dca_keep_rotated=true",
+                                 f"checkpoint.dir={tmp_path / 'checkpoints'}"])
+    train(cfg, tmp_path)
+    ckpt = resolve_checkpoint(tmp_path / "checkpoints")
+    record = torch.load(ckpt / "common.pt", weights_only=True)["extra"]
+    assert record["attention"]["kind"] == "dca" and type(record["attention"]["kind"]) is str
+    assert not {"kernel", "attention_kernel", "dca_backward", "dca_keep_rotated"} \
+        & (set(record["attention"]) | set(record["model"]))
+    run = yaml.safe_load(record["run_config"])
+    assert (run["trainer"]["attention_kernel"], run["trainer"]["dca_backward"],
+            run["trainer"]["dca_keep_rotated"]) == ("math", "parts", True)
+    assert not set(OLD_ATTENTION_RUN_SETTINGS) & set(run["attention"])
+    assert Checkpoint(ckpt).meta.attention.kind == "dca"
+
+
+def _with_run_settings_in_attention(root: Path, dst: Path) -> Path:
+    """A copy of `root` whose newest record is as a checkpoint saved before the run settings
+    moved wrote it: the kernel and DCA's settings in the record's attention block and in its run
+    config's attention group, none in the run config's trainer group."""
+    from ckpt.checksums import checkpoint_files, digests, write_manifest
+
+    shutil.copytree(root, dst)
+    ckpt = resolve_checkpoint(dst)
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    record = common["extra"]
+    record["attention"].update(OLD_ATTENTION_RUN_SETTINGS)
+    run = yaml.safe_load(record["run_config"])
+    for old, new in (("kernel", "attention_kernel"), ("dca_backward", "dca_backward"),
+                     ("dca_keep_rotated", "dca_keep_rotated")):
+        run["trainer"].pop(new)
+        run["attention"][old] = OLD_ATTENTION_RUN_SETTINGS[old]
+    record["run_config"] = yaml.safe_dump(run, sort_keys=False)
+    torch.save(common, ckpt / "common.pt")
+    write_manifest(ckpt, digests(ckpt, checkpoint_files(ckpt)))
+    return dst
+
+
+def test_a_checkpoint_with_run_settings_in_its_attention_resumes_and_evaluates(
+        root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Such a checkpoint (tests/ckpt/conftest.py's run, its record rewritten to the old layout)
+    verifies, resumes without counting the moved settings as a change, and evaluates; the
+    resumed run's checkpoint records them in its run config's trainer group only."""
+    import logging
+
+    from trainer import eval as eval_entry
+
+    src = _with_run_settings_in_attention(root, tmp_path / "src")
+    assert main(["verify", str(src)]) == 0
+    meta = Checkpoint(resolve_checkpoint(src)).meta
+    assert meta.attention == AttentionConfig() and "kernel: cudnn" in meta.run_config
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    with caplog.at_level(logging.WARNING):
+        train(compose_config(["logger=none", "trainer.seq_length=64", "trainer.micro_batch_size=4",
+                              "trainer.global_batch_size=4", "trainer.warmup_steps=1",
+                              "trainer.eval_interval=0", "data.max_documents=60",
+                              "trainer.max_steps=5", f"checkpoint.load={src}",
+                              f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
+    assert [r["step"] for r in read_metrics(run_dir)] == [5]
+    assert "kernel" not in caplog.text and "dca_" not in caplog.text, caplog.text
+    resumed = torch.load(resolve_checkpoint(run_dir / "checkpoints") / "common.pt",
+                         weights_only=True)["extra"]
+    assert not set(OLD_ATTENTION_RUN_SETTINGS) & set(resumed["attention"])
+    assert yaml.safe_load(resumed["run_config"])["trainer"]["attention_kernel"] == "auto"
+    out = tmp_path / "eval"
+    out.mkdir()
+    results = eval_entry.evaluate(compose_config([
+        "logger=none", f"checkpoint.load={src}", "eval.lengths=[256]", "eval.depths=[0.0]",
+        "eval.passkey_trials=1", "eval.multikey_trials=0", "eval.perplexity_windows=1",
+        "trainer.attention_kernel=math"]), out)
+    assert results["trained_attention"] == "standard" and results["attention"]["kind"] == "standard"
+    assert "kernel" not in results["attention"] and len(results["perplexity"]) == 1

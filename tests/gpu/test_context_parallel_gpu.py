@@ -93,7 +93,7 @@ def _check_functions(rank: int, port: int, root: str, kernel: str) -> None:
                 found[name] = {"cp": _relative_errors(cp, reference),
                                "one_gpu": _relative_errors(one_gpu, reference),
                                "fa4_part_calls": fa4_calls["fwd"] - before}
-        found["refused"] = sorted(str(key) for key in lse_attention.REFUSED)
+        found["refused"] = sorted(str(key) for key in lse_attention.FALLBACKS)
         Path(root, f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
@@ -129,7 +129,7 @@ def test_cp2_training_follows_cp1(tmp_path: Path, kernel: str) -> None:
                      "attention.dca_local_size=128", "trainer.seq_length=4096",
                      "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
                      "trainer.max_steps=6", "checkpoint.save=false", "trainer.device=cuda",
-                     f"attention.kernel={kernel}"]
+                     f"trainer.attention_kernel={kernel}"]
     run_cli(common + ["hydra.run.dir=cp1"], cwd=tmp_path)
     run_cli(common + ["hydra.run.dir=cp2", "parallel.cp=2"], cwd=tmp_path, nproc=2)
     cp1, cp2 = read_metrics(tmp_path / "cp1"), read_metrics(tmp_path / "cp2")

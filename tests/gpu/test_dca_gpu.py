@@ -1,5 +1,5 @@
 """Dual Chunk Attention's fused GPU path (cuDNN kernels, Triton rotations and merges) in bf16
-against the float64 reference, and its memory growth: under attention.kernel=cudnn (the FA4
+against the float64 reference, and its memory growth: under trainer.attention_kernel=cudnn (the FA4
 paths, part calls and one call, are test_fa4_gpu.py's)."""
 
 from __future__ import annotations

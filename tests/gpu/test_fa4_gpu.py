@@ -1,4 +1,4 @@
-"""Every FlashAttention-4 path (attention.kernel=fa4, models/attention/kernels.py) in bf16
+"""Every FlashAttention-4 path (trainer.attention_kernel=fa4, models/attention/kernels.py) in bf16
 against the float64 references: standard causal (flash_attn_func, varlen for packed documents),
 the LSE part calls with a merged-LSE backward (DCA's parts; the kept-attention causal path of
 full recompute), DCA's own forward and backward kernels (dca/grouped.py), chunked
@@ -21,7 +21,7 @@ import torch
 from models.attention import causal, kernels, lse_attention
 from models.attention.causal import causal_attention
 from models.attention.chunked import chunked_attention
-from models.attention.dca import dq_parts, fa4_backward, fa4_forward, grouped
+from models.attention.dca import dispatch, dq_parts, fa4_backward, fa4_forward, grouped
 from models.attention.dca import graphs as dca_graphs
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.plan import DCAPlan
@@ -65,10 +65,10 @@ def counting_fa4_calls() -> Iterator[dict[str, int]]:
 @pytest.fixture(autouse=True)
 def fa4_counted() -> Iterator[dict[str, int]]:
     """Run under kernel fa4, count the FA4 LSE calls, and fail if any call fell back."""
-    lse_attention.REFUSED.clear()
+    lse_attention.FALLBACKS.clear()
     with counting_fa4_calls() as counts, kernels.using("fa4"):
         yield counts
-    assert not lse_attention.REFUSED, f"FA4 refused calls: {lse_attention.REFUSED}"
+    assert not lse_attention.FALLBACKS, f"calls FA4 could not take: {lse_attention.FALLBACKS}"
 
 
 def _inputs(seq: int, hq: int, hk: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -153,11 +153,11 @@ def dca_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     dca_backward=auto) or "one call" (both kernels, the backward in one piece: one_piece);
     checks that it ran."""
     taken = {"forward": 0, "backward": 0, "forward kernel": 0, "backward kernel": 0}
-    paths = grouped.paths
+    route = dispatch.route
     setting = "parts" if request.param == "parts" else (
         "one_piece" if request.param == "one call" else "auto")
-    monkeypatch.setattr(grouped, "paths", lambda q, length, packed, backward, keep: paths(
-        q, length, packed, setting, keep))  # dca_backward
+    monkeypatch.setattr(dispatch, "route", lambda q, **settings: route(
+        q, **(settings | {"backward": setting})))  # dca_backward
     if request.param in CUTS:
         monkeypatch.setattr(grouped, "split", CUTS[request.param])
     # graphs captured under another path's cut would replay it (the cache keys on the setting)
@@ -336,7 +336,7 @@ def test_head_dims_fa4_leaves_run_on_cudnn(head_dim: int, fa4_counted: dict[str,
     assert fa4_counted == {"fwd": 0, "bwd": 0}
 
 
-@pytest.mark.parametrize("head_dim", dq_parts.FA4_SM90_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", dq_parts.KERNEL_HEAD_DIMS)
 def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
     """dq_parts.fa4_sm90_rows (the order of the kernel's dQ accumulator) against FA4's own
     postprocess: an accumulator holding every float's index, converted by FA4 to [b, s, h, d]
@@ -358,7 +358,7 @@ def test_dq_layout_is_the_one_fa4_postprocess_reads(head_dim: int) -> None:
     assert torch.equal(found.transpose(1, 2), dq_parts.fa4_sm90_rows(index, head_dim))
 
 
-@pytest.mark.parametrize("head_dim", dq_parts.FA4_SM90_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", dq_parts.KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("factors", [False, True])
 @pytest.mark.parametrize("heads", [4, 3])  # 3: a program's fourth head masked
 def test_rotate_back_kernel_matches_torch(head_dim: int, factors: bool, heads: int) -> None:

@@ -28,7 +28,7 @@ def _fa4_sm90_offsets(rows: int, dim: int) -> torch.Tensor:
     return offsets
 
 
-@pytest.mark.parametrize("dim", dq_parts.FA4_SM90_HEAD_DIMS)
+@pytest.mark.parametrize("dim", dq_parts.KERNEL_HEAD_DIMS)
 def test_fa4_sm90_rows_reads_the_fragment_order(dim: int) -> None:
     offsets = _fa4_sm90_offsets(128, dim)
     assert torch.equal(dq_parts.fa4_sm90_rows(torch.arange(128 * dim), dim), offsets)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models.attention import kernels
-from models.attention.dca import fa4_backward, fa4_forward, grouped
+from models.attention.dca import dispatch, fa4_backward, fa4_forward, grouped
 from models.attention.dca import plan as dca_plan
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.dq_parts import DQParts
@@ -69,18 +69,20 @@ def test_kernels_apply_only_where_they_are_exact(
     q = torch.zeros(1, seq, 4, 64)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
     monkeypatch.setattr(kernels, "hopper", lambda device: True)
-    assert grouped.kernel_applies(q, chunk - local, cu is not None) is expected
+    applies = lambda q, packed=cu is not None: (  # noqa: E731
+        dispatch.kernel_refusal(q, chunk - local, packed) is None)
+    assert applies(q) is expected
     for head_dim in (192, 72, 80, 32):  # above 128; not checked on the GPU (72: wrong there)
-        assert grouped.kernel_applies(torch.zeros(1, seq, 4, head_dim), chunk - local,
-                                      False) is False
+        assert dispatch.kernel_refusal(torch.zeros(1, 4096, 4, head_dim), 896,
+                                       False) == "head dim not one of (64, 96, 128)"
     for head_dim in (96, 128):
-        assert grouped.kernel_applies(torch.zeros(1, seq, 4, head_dim), chunk - local,
-                                      cu is not None) is expected
+        assert applies(torch.zeros(1, seq, 4, head_dim)) is expected
     monkeypatch.setattr(kernels, "hopper", lambda device: False)  # FA4 on a later GPU
-    assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
+    assert "not a Hopper GPU" in dispatch.kernel_refusal(q, chunk - local, cu is not None)
     monkeypatch.setattr(kernels, "hopper", lambda device: True)
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)  # CPU, other kernels
-    assert grouped.kernel_applies(q, chunk - local, cu is not None) is False
+    assert dispatch.kernel_refusal(q, chunk - local, cu is not None) == (
+        "not CUDA bf16/fp16 (DCA's kernels run through FA4)")
 
 
 @pytest.mark.parametrize(("backward", "expected"), [
@@ -93,11 +95,18 @@ def test_dca_backward_setting_picks_the_paths(backward: str, expected: tuple,
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: True)
     monkeypatch.setattr(kernels, "hopper", lambda device: True)
     q = torch.zeros(1, 4096, 4, 64)
-    assert grouped.paths(q, 896, False, backward) == (*expected, False)
-    assert grouped.paths(q, 896, False, backward, keep_rotated=True) == (
-        *expected, expected[0])  # kept only for DCA's kernels
+
+    def route(keep_rotated: bool = False) -> dispatch.Route:
+        return dispatch.route(q, chunk_size=1024, local_size=128, longest=4096, packed=False,
+                              scaled=False, backward=backward, keep_rotated=keep_rotated,
+                              cuda_graphs=False)
+    assert route().paths == (*expected, False)
+    assert route().path == ("kernels" if expected[0] else "part_calls")
+    assert route(keep_rotated=True).paths == (*expected, expected[0])  # only for the kernels
     monkeypatch.setattr(kernels, "fa4_applies", lambda x: False)
-    assert grouped.paths(q, 896, False, backward, keep_rotated=True) == KernelPaths()
+    assert route(keep_rotated=True) == (dispatch.DCAPath.PART_CALLS, (
+        "not CUDA bf16/fp16 (DCA's kernels run through FA4)" if backward != "parts"
+        else "dca_backward=parts"), KernelPaths())
 
 
 def test_auto_backward_cuts_heads_first_within_the_memory_budget() -> None:
@@ -162,7 +171,9 @@ def test_memory_model_matches_the_measured_peaks() -> None:
 
 def test_dca_backward_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="dca_backward must be one of auto | one_piece | parts"):
-        grouped.paths(torch.zeros(1, 64, 2, 8), 16, False, "fast")
+        dispatch.route(torch.zeros(1, 64, 2, 8), chunk_size=16, local_size=4, longest=64,
+                       packed=False, scaled=False, backward="fast", keep_rotated=False,
+                       cuda_graphs=False)
     q = torch.zeros(1, 64, 2, 8)
     with pytest.raises(ValueError, match="dca_backward"):
         dual_chunk_attention(q, q, q, chunk_size=16, local_size=4, backward="fast")
@@ -171,7 +182,7 @@ def test_dca_backward_setting_is_checked() -> None:
 def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward and the backward follow the plan's choice, not the rule at their own time
     (a benchmark forcing a path around the forward only must still time that path)."""
-    monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
+    monkeypatch.setattr(dispatch, "kernel_refusal", lambda q, length, packed: None)
     taken: list[str] = []
     monkeypatch.setattr(grouped, "forward", lambda *args: taken.append("forward") or (
         torch.zeros_like(args[0]), torch.zeros(args[0].shape[0], args[0].shape[2],
@@ -182,7 +193,7 @@ def test_the_choice_is_made_once_per_call(monkeypatch: pytest.MonkeyPatch) -> No
     q, k, v = (torch.randn(1, 64, 2, 8, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     out = dual_chunk_attention(q, k, v, chunk_size=16, local_size=4, backward="one_piece")
-    monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: False)
+    monkeypatch.setattr(dispatch, "kernel_refusal", lambda q, length, packed: "no")
     monkeypatch.setattr(grouped, "split", lambda *shape: grouped.Split(1, 1))
     out.sum().backward()
     assert taken == ["forward", "backward(2, 64)"]  # in one piece, as planned
@@ -304,7 +315,7 @@ def kernel_backward_in_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
     def recorded(q_rot, k_rot, *args):  # noqa: ANN001, ANN002, ANN202
         calls.append((q_rot.shape[1], k_rot.shape[1], q_rot.shape[2]))
         return dense_kernel_backward(q_rot, k_rot, *args)
-    monkeypatch.setattr(grouped, "kernel_applies", lambda q, length, packed: True)
+    monkeypatch.setattr(dispatch, "kernel_refusal", lambda q, length, packed: None)
     monkeypatch.setattr(grouped, "BLOCK", 1)
     monkeypatch.setattr(dca_plan, "KERNEL_BLOCK", 1)
     monkeypatch.setattr(fa4_backward, "backward", recorded)

@@ -13,7 +13,7 @@ import torch
 
 from models.attention import kernels
 from models.attention.causal import causal_attention
-from models.attention.lse_attention import _backends
+from models.attention.lse_attention import _backend
 from tests.conftest import FAST, run_module
 from trainer.errors import UserError
 from trainer.validate import check_kernel
@@ -62,7 +62,8 @@ def test_auto_logs_its_choice_once(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level("INFO", logger=kernels.__name__):
         kernels.use("auto", cuda=True)
         kernels.use("auto", cuda=True)  # a second model in the same process: no new line
-    lines = [r.getMessage() for r in caplog.records if "attention.kernel=auto" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records
+             if "trainer.attention_kernel=auto" in r.getMessage()]
     assert len(lines) == 1 and "chose cudnn" in lines[0]
 
 
@@ -74,7 +75,7 @@ def test_explicit_fa4_without_fa4_is_one_line_naming_the_install(
         check_kernel("fa4", cuda=True)
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith("attention.kernel=fa4 needs FlashAttention-4")
+    assert message.startswith("trainer.attention_kernel=fa4 needs FlashAttention-4")
     assert 'pip install -e ".[fa4]"' in message
 
 
@@ -85,7 +86,7 @@ def test_explicit_fa4_on_a_pre_hopper_gpu_is_refused(monkeypatch: pytest.MonkeyP
 
 
 def test_unknown_kernel_is_refused() -> None:
-    with pytest.raises(UserError, match="attention.kernel='fast' is unknown"):
+    with pytest.raises(UserError, match="trainer.attention_kernel='fast' is unknown"):
         check_kernel("fast", cuda=False)
 
 
@@ -103,15 +104,16 @@ def test_explicit_kernels_resolve_to_themselves(name: str, cuda: bool, expected:
 ])
 def test_lse_backends_follow_the_setting(monkeypatch: pytest.MonkeyPatch, kernel: str,
                                          order: list[str]) -> None:
-    """The LSE part calls (DCA, CP, kept causal) try the chosen kernel first; CPU and fp32
-    tensors take the math path whatever the setting."""
+    """The LSE part calls (DCA, CP, kept causal) run the chosen kernel where it takes the
+    shape, else the next in order; CPU and fp32 tensors take the math path whatever the
+    setting."""
     _fresh(monkeypatch, kernel, kernel)
     cuda_bf16 = torch.empty(1, 2, 4, 64, dtype=torch.bfloat16, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert _backends(cuda_bf16, cuda_bf16, True) == order
-    assert _backends(cuda_bf16.float(), cuda_bf16.float(), True) == ["math"]
+    assert _backend(cuda_bf16, cuda_bf16, cuda_bf16) == order[0]
+    assert _backend(*[cuda_bf16.float()] * 3) == "math"
     head_dim_80 = torch.empty(1, 2, 4, 80, dtype=torch.bfloat16, device="meta")
-    assert _backends(head_dim_80, head_dim_80, True) == [x for x in order if x != "fa4"]
+    assert _backend(*[head_dim_80] * 3) == [x for x in order if x != "fa4"][0]
 
 
 def test_a_head_dim_fa4_leaves_to_cudnn_is_logged(monkeypatch: pytest.MonkeyPatch,
@@ -132,7 +134,7 @@ def test_fa4_only_at_head_dims_its_backward_pads_alike(monkeypatch: pytest.Monke
                                                        head_dim: int, expected: bool) -> None:
     """FA4's SM90 backward pads the head dim to 16 in its main kernel and to 32 in its
     accumulators' post-processing (64 for both above 128): other head dims take cuDNN, in the
-    causal, chunked and DCA paths (fa4_applies) as in the LSE part calls (_backends)."""
+    causal, chunked and DCA paths (fa4_applies) as in the LSE part calls (_backend)."""
     assert kernels.fa4_takes_head_dim(head_dim) is expected
     _fresh(monkeypatch, "fa4", "fa4")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -175,11 +177,13 @@ def test_using_restores_the_previous_kernel(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.slow
 def test_the_trainer_refuses_a_bad_kernel_in_one_line(tmp_path: Path) -> None:
-    """The setting is checked with the run's other settings, before data or model exist: one
-    `error:` line naming it, exit 2 (the same path an explicit fa4 without FA4 takes on a GPU)."""
-    proc = run_module("trainer", [*FAST, "hydra.run.dir=run", "attention.kernel=fast"], tmp_path,
-                      {"HYDRA_FULL_ERROR": None, "LONGCTX_DEBUG": None})
+    """The setting (a run setting, `trainer.attention_kernel`) is checked when the config is
+    composed, before data or model exist: one `error:` line naming it and its choices, exit 2
+    (an explicit fa4 without FA4 on a GPU is one line too, from the run's other checks)."""
+    proc = run_module("trainer", [*FAST, "hydra.run.dir=run", "trainer.attention_kernel=fast"],
+                      tmp_path, {"HYDRA_FULL_ERROR": None, "LONGCTX_DEBUG": None})
     errors = [line for line in (proc.stdout + proc.stderr).splitlines()
               if line.startswith("error: ")]
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(errors) == 1 and "attention.kernel='fast' must be one of auto, fa4" in errors[0]
+    assert len(errors) == 1 and ("trainer.attention_kernel='fast' must be one of auto, fa4, "
+                                 "cudnn, flash, math") in errors[0]

@@ -76,8 +76,15 @@ def test_kept_attention_runs_its_kernels_once(single_process, kernel_calls, atte
         assert kernel_calls["n"] == 2 * layers * per_layer
 
 
+def test_a_recompute_outside_its_choices_is_refused_by_the_factory() -> None:
+    """Hydra refuses it at composition (tests/trainer/test_entry_errors.py); the factory too, for
+    options built in code."""
+    cfg = compose_config([])
+    with pytest.raises(ValueError, match="choose none, selective or full"):
+        transformer_config(cfg.model, cfg.attention, options=BuildOptions(recompute="sometimes"))
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.recompute=sometimes"], "choose none, selective or full"),
     (["trainer.recompute_modules=[mlp]"], "needs trainer.recompute=selective"),
     (["trainer.recompute=selective", "trainer.recompute_modules=[layernorm]"], "not supported"),
     (["trainer.recompute_num_layers=2"], "needs trainer.recompute=full"),

@@ -11,7 +11,9 @@ from models.attention.chunked_module import ChunkedCoreAttention
 from models.attention.core import CausalCoreAttention
 from models.attention.dca.module import DCACoreAttention
 from models.gpt import build_gpt, transformer_config
+from models.options import BuildOptions
 from tests.conftest import FAST, compose_config, train_on_ranks
+from trainer.config import build_options
 
 SEQ = 48
 
@@ -69,9 +71,12 @@ def test_chunked_interleaves_global_layers_without_rope(single_process) -> None:
 
 
 def test_dca_layers_skip_megatron_rope(single_process) -> None:
-    cfg = compose_config(["+attention=dca", "attention.dca_backward=one_piece",
-                          "attention.dca_keep_rotated=true"])
-    config = transformer_config(cfg.model, cfg.attention)
+    """... and take how they run (DCA's backward path, kept rotations: run settings) from the
+    run's options."""
+    cfg = compose_config(["+attention=dca", "trainer.dca_backward=one_piece",
+                          "trainer.dca_keep_rotated=true"])
+    config = transformer_config(cfg.model, cfg.attention,
+                                options=build_options(cfg.trainer, bf16=False, on_gpu=False))
     assert config.no_rope_freq == [1] * cfg.model.num_layers
     model = build_gpt(config, 384, SEQ)
     assert all(isinstance(layer.self_attention.core_attention, DCACoreAttention)
@@ -84,13 +89,20 @@ def test_dca_layers_skip_megatron_rope(single_process) -> None:
     (["attention.dca_chunk_size=64", "attention.dca_local_size=64"],
      r"dca_chunk_size \(64\) must exceed dca_local_size \(64\)"),
     (["attention.dca_local_size=0"], "must be positive"),
-    (["attention.dca_backward=fast"],
-     r"dca_backward must be one of auto \| one_piece \| parts, got 'fast'"),
 ])
 def test_dca_config_errors_are_early_and_clear(overrides, message) -> None:
     cfg = compose_config(["+attention=dca"] + overrides)
     with pytest.raises(ValueError, match=message):
         transformer_config(cfg.model, cfg.attention)
+
+
+def test_a_dca_backward_outside_its_choices_is_refused_by_the_factory() -> None:
+    """Hydra refuses it at composition (tests/trainer/test_entry_errors.py); the factory too, for
+    options built in code."""
+    cfg = compose_config(["+attention=dca"])
+    with pytest.raises(ValueError, match="dca_backward must be one of auto, one_piece, parts, "
+                                         "got 'fast'"):
+        transformer_config(cfg.model, cfg.attention, options=BuildOptions(dca_backward="fast"))
 
 
 def test_chunked_config_errors_are_early_and_clear() -> None:

@@ -18,15 +18,14 @@ import ckpt.save
 from ckpt import disk
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, REPO, compose_config
+from tests.conftest import FAST, REPO, ModuleRun, compose_config, start_module
 from trainer.errors import UserError
 from trainer.train import train
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=cwd,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _start(args: list[str], cwd: Path) -> ModuleRun:
+    """`python -m trainer args` in `cwd`, forked from the preloaded server (tests/conftest.py)."""
+    return start_module("trainer", args, cwd)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Attacks on `python -m trainer.eval`'s run directory (issue 31, hostile run item 3): pointed at
+"""Attacks on `python -m trainer.eval`'s run directory: pointed at
 a training run's directory, it overwrote that run's `.hydra/config.yaml` and `overrides.yaml`.
 It now holds its own run directory (the lock every writer honours, `ckpt.lock`) and refuses one
 holding another job's outputs, before Hydra writes anything there. The next attack on
@@ -6,12 +6,11 @@ holding another job's outputs, before Hydra writes anything there. The next atta
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_module
 from trainer.run_dir import RunDirError, check_not_another_jobs
 
 
@@ -38,13 +37,12 @@ def test_a_training_runs_directory_is_refused(tmp_path: Path) -> None:
     check_not_another_jobs(tmp_path / "new", "eval")
 
 
-@pytest.mark.slow  # a real `python -m trainer.eval` (tens of seconds): CI runs it
+@pytest.mark.slow  # a training run and the command line: CI runs it
 def test_eval_into_a_training_runs_directory_keeps_its_config(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     files = _training_run(run_dir)
-    proc = subprocess.run([sys.executable, "-m", "trainer.eval", "checkpoint.load=nowhere",
-                           "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_module("trainer.eval", ["checkpoint.load=nowhere", "logger=none",
+                                       f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
     assert proc.stderr.startswith(f"error: hydra.run.dir={run_dir} holds another job's outputs")

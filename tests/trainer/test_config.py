@@ -82,3 +82,64 @@ def test_vocab_padding_is_independent_of_tp() -> None:
     assert padded_vocab_size(257, 128, 1) == padded_vocab_size(257, 128, 2) == 384
     with pytest.raises(ValueError, match="must divide by tp"):
         padded_vocab_size(257, 128, 256)
+
+
+def test_every_choice_is_declared_once_and_agrees_with_its_users() -> None:
+    """Each choice is a StrEnum declared once (models/schema.py for the model's,
+    models/options.py and trainer/config.py for the run's), naming what the code that takes it
+    accepts (the lists the kernels, DCA and the placement check keep)."""
+    from models.attention import kernels
+    from models.attention.dca import plan
+    from models.options import AttentionKernel, DCABackward
+    from parallel import placement
+    from trainer.config import Device, Precision
+
+    assert tuple(AttentionKernel) == kernels.KERNELS
+    assert tuple(DCABackward) == plan.BACKWARDS
+    assert (tuple(Device), tuple(Precision)) == (placement.DEVICES, placement.PRECISIONS)
+
+
+def test_the_run_settings_are_the_runs_and_choices_stay_strings() -> None:
+    """The kernel and DCA's backward path and kept rotations are the `trainer` group's (and
+    BuildOptions'), not AttentionConfig's, what the model is; a choice's member equals its
+    string and is written as it (JSON, YAML, the run config)."""
+    import dataclasses
+    import json
+
+    from omegaconf import OmegaConf
+
+    from ckpt.saved_config import unresolved_env
+    from models.options import MOVED_FROM_ATTENTION, BuildOptions
+    from models.schema import AttentionConfig, AttentionKind
+    from trainer.config import MOVED, TrainerConfig, build_options
+
+    attention = {f.name for f in dataclasses.fields(AttentionConfig)}
+    trainer = {f.name for f in dataclasses.fields(TrainerConfig)}
+    options = {f.name for f in dataclasses.fields(BuildOptions)}
+    assert not set(MOVED_FROM_ATTENTION) & attention
+    assert set(MOVED_FROM_ATTENTION.values()) <= trainer & options
+    assert MOVED == {"attention.kernel": "trainer.attention_kernel",
+                     "attention.dca_backward": "trainer.dca_backward",
+                     "attention.dca_keep_rotated": "trainer.dca_keep_rotated"}
+    cfg = compose_config(["+attention=dca", "trainer.attention_kernel=cudnn",
+                          "trainer.dca_backward=parts", "trainer.dca_keep_rotated=true"])
+    assert cfg.attention.kind == "dca" and cfg.attention.kind is AttentionKind.dca
+    built = build_options(cfg.trainer, bf16=False, on_gpu=False)
+    assert (built.attention_kernel, built.dca_backward, built.dca_keep_rotated) == (
+        "cudnn", "parts", True)
+    written = unresolved_env(cfg)
+    assert type(written["attention"]["kind"]) is str and written["trainer"]["dca_backward"] == \
+        "parts"
+    assert json.loads(json.dumps(dataclasses.asdict(AttentionConfig(kind=AttentionKind.dca))))[
+        "kind"] == "dca"
+    assert "kind: dca" in OmegaConf.to_yaml(cfg.attention)
+
+
+def test_a_value_outside_a_choice_fails_composition() -> None:
+    """Checked by Hydra when it composes (trainer.entry.check_overrides makes it one line:
+    tests/trainer/test_entry_errors.py)."""
+    for override in ("trainer.attention_kernel=fast", "attention.kind=ring",
+                     "trainer.lr_decay_style=step", "eval.template=fancy"):
+        with pytest.raises(ConfigCompositionException) as info:
+            compose_config([override])
+        assert isinstance(info.value.__cause__, ValidationError)

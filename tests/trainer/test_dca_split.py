@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -150,9 +149,13 @@ def test_compare_eval_tabulates_ruler_and_passkey_runs(tmp_path: Path,
     assert (tmp_path / "c.png").stat().st_size > 0
 
 
-def test_compare_eval_refuses_a_missing_file_in_one_line(tmp_path: Path) -> None:
+def test_compare_eval_refuses_a_missing_file_in_one_line(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     script = Path(__file__).resolve().parents[2] / "bench" / "compare_eval.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "none.json")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: no eval.json at ") and proc.stderr.count("\n") == 1
+    monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.startswith("error: no eval.json at ") and err.count("\n") == 1

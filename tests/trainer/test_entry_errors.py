@@ -104,6 +104,61 @@ def test_config_composition_errors_are_one_line(tmp_path: Path, capsys: pytest.C
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("overrides", "words"), [
+    # a value outside a choice (a run setting, the model's attention): the choices listed
+    (["trainer.attention_kernel=fast"],
+     "trainer.attention_kernel='fast' must be one of auto, fa4, cudnn, flash, math"),
+    (["+attention=dca", "trainer.dca_backward=fast"],
+     "trainer.dca_backward='fast' must be one of auto, one_piece, parts"),
+    (["attention.kind=ring"], "attention.kind='ring' must be one of standard, dca, chunked"),
+    (["+attention=dca", "attention.dca_scaling=cubic"],
+     "attention.dca_scaling='cubic' must be one of none, log, yarn"),
+    (["+attention=dca", "attention.dca_scaling_parts=intra"],
+     "attention.dca_scaling_parts='intra' must be one of all, succ_inter, inter"),
+    (["trainer.recompute=sometimes"],
+     "trainer.recompute='sometimes' must be one of none, selective, full"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8' must be one of auto, bf16, fp32"),
+    (["eval.suite=other"], "eval.suite='other' must be one of passkey, ruler"),
+    # a run setting under the name it had in the attention group: the new name
+    (["attention.kernel=fa4"], "attention.kernel is now trainer.attention_kernel: how a run runs "
+                               "the model, not what the model is"),
+    (["attention.kernel=fa4"], "set trainer.attention_kernel=fa4 instead"),
+    (["+attention=dca", "attention.dca_backward=parts"],
+     "attention.dca_backward is now trainer.dca_backward"),
+    (["+attention=dca", "+attention.dca_keep_rotated=true"],
+     "set trainer.dca_keep_rotated=true instead"),
+])
+def test_choices_and_moved_settings_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 overrides: list[str], words: str) -> None:
+    """Every choice is an Enum that Hydra checks when it composes the config: a value outside it
+    is one line naming the setting, the value and the choices; a setting typed under its old
+    name (before it moved from `attention` to the run's `trainer` group) names the new one,
+    instead of Hydra's report that the attention group has no such key."""
+    for name in NO_DEBUG:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(["logger=none", *overrides])
+    out = capsys.readouterr()
+    _assert_one_error_line(subprocess.CompletedProcess([], exit_.value.code, out.out, out.err),
+                           words)
+    assert "Could not" not in out.err and "AttentionConfig" not in out.err
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_old_name_in_a_config_file_names_the_new_one() -> None:
+    """An old name that reaches the composed config some other way (appended, or from a config
+    file of one's own) is refused naming the new one too (`check_known_keys`)."""
+    from tests.conftest import compose_config
+    from trainer.config import check_known_keys
+
+    cfg = compose_config(["+attention=dca", "+attention.dca_backward=parts"])
+    with pytest.raises(UserError, match="attention.dca_backward is now trainer.dca_backward: .*"
+                                        "set trainer.dca_backward=parts instead"):
+        check_known_keys(cfg)
+
+
 @pytest.mark.slow  # torchrun: three new interpreters
 def test_under_torchrun_every_rank_exits_2_rank_0_prints_once_and_torchrun_names_it(
         tmp_path: Path) -> None:

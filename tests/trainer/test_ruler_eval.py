@@ -86,9 +86,7 @@ def test_scores_and_effective_length_follow_the_predictions(checkpoint, tmp_path
     ("eval.tasks=[niah_single_1,nope]", "nope"),
     ("eval.threshold=0", r"\(0, 100\]"),
     ("eval.threshold=101", r"\(0, 100\]"),
-    ("eval.template=fancy", "base, chat or auto"),
     ("eval.samples=0", "eval.samples"),
-    ("eval.suite=other", "passkey .* or ruler"),
 ])
 def test_bad_suite_settings_are_one_error_before_the_checkpoint(tmp_path: Path, override: str,
                                                                 message: str) -> None:

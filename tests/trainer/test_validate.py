@@ -37,6 +37,8 @@ from trainer.validate import check_attention_selection, validate_eval, validate_
     ("checkpoint.load=/no/such/checkpoints", "checkpoint.load"),
     ("data.valid_fraction=1.5", "data.valid_fraction"),
     ("trainer.dca_cuda_graphs=true", "trainer.dca_cuda_graphs"),  # attention is standard
+    ("trainer.dca_backward=parts", "trainer.dca_backward=parts picks DCA's"),  # standard
+    ("trainer.dca_keep_rotated=true", "trainer.dca_keep_rotated=true keeps DCA's"),  # standard
     ("+attention=dca", "dca_chunk_size"),  # 8192 > 1024 local by default; set local too big
 ])
 def test_bad_setting_is_refused_before_the_model_is_built(

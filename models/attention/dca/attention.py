@@ -13,9 +13,10 @@ multiplies the logits of the chosen parts by a per-query factor f_i, folded into
 rotated query (dq then carries f_i too; dk does by itself: the kernels see the scaled query).
 Each part runs as dense attention that also returns its log-sum-exp (the calls: calls.py);
 outputs merge by LSE; the backward is the global-LSE recipe (backward.py). Documents of at most
-C tokens are plain causal attention at their own positions (one call; see DCAPlan.causal in
-plan.py). Nothing is S x S on the fused (CUDA fp16/bf16) path and K/V are never repeated. On
-the part calls the forward holds one part's rotated q at a time; DCA's own kernels (grouped.py)
+C tokens are plain causal attention at their own positions (one call). Which path a call
+takes (plain causal, CUDA graphs, DCA's kernels, the part calls) is dispatch.route's decision
+alone. Nothing is S x S on the fused (CUDA fp16/bf16) path and K/V are never repeated. On the
+part calls the forward holds one part's rotated q at a time; DCA's own kernels (grouped.py)
 take every part's rotated q in their one forward call. The rotations are activations only under
 `dca_keep_rotated` (with DCA's kernels); otherwise the backward makes them again (backward.py,
 grouped.py).
@@ -32,9 +33,10 @@ from torch.autograd.function import once_differentiable
 
 from models.attention import kernels
 from models.attention.causal import causal_attention
-from models.attention.dca import grouped
+from models.attention.dca import dispatch, grouped
 from models.attention.dca.backward import dca_backward
 from models.attention.dca.calls import INTER, Call, blocks, document_calls
+from models.attention.dca.dispatch import DCAPath
 from models.attention.dca.graphs import DCAGraphs, graphs_for
 from models.attention.dca.plan import DCAPlan, check_qkv, check_sizes, flat_heads
 from models.attention.dca.scaling import DCAScaling
@@ -159,7 +161,7 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `scaling`: optional length-dependent logit scaling (scaling.py; default none).
     `cuda_graphs`: replay the forward and backward as CUDA graphs captured per shape
     (graphs.py; CUDA bf16/fp16 without `cu_seqlens`, else ignored): for launch-bound shapes.
-    `backward`: under FA4, auto | one_piece | parts (grouped.paths: DCA's own kernels where they
+    `backward`: under FA4, auto | one_piece | parts (dispatch.route: DCA's own kernels where they
     apply, the backward in groups of heads or pieces of query rows, bounding its memory
     (grouped.split), or in one piece, ~1% faster at 32K; parts: the part calls both ways).
     `keep_rotated`: where DCA's kernels run (not under CUDA graphs), the forward's rotated
@@ -172,21 +174,22 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     shape = flat_heads(q)  # q's [b, s, hq, d] shape, dtype and device
-    use_graphs = (cuda_graphs and bounds is None and q.is_cuda
-                  and q.dtype in (torch.bfloat16, torch.float16)
-                  and not torch.cuda.is_current_stream_capturing())
-    paths = grouped.paths(shape, chunk_size - local_size, bounds is not None, backward,
-                          keep_rotated and not use_graphs)
-    plan = DCAPlan(shape, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                   scaling or DCAScaling(), rope_scaling, paths)
-    if q.dim() == 5 and (plan.causal or not plan.paths.kernels or use_graphs):
+    scaling = scaling or DCAScaling()
+    longest = q.shape[1] if bounds is None else max(itertools.chain(
+        [0], (b - a for a, b in itertools.pairwise(bounds))))
+    route = dispatch.route(shape, chunk_size=chunk_size, local_size=local_size, longest=longest,
+                           packed=bounds is not None, scaled=scaling.active, backward=backward,
+                           keep_rotated=keep_rotated, cuda_graphs=cuda_graphs)
+    if q.dim() == 5 and route.path != DCAPath.KERNELS:
         q = q.flatten(2, 3)  # a copy: only DCA's kernels read the query heads in their groups
-    if plan.causal:  # S <= C: one causal kernel call, not one per chunk and part
+    plan = DCAPlan(shape, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
+                   scaling, rope_scaling, route.paths)
+    if route.path == DCAPath.PLAIN_CAUSAL:  # one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
                                 cu_seqlens=None if bounds is None else torch.tensor(bounds))
     graphs = None
-    if use_graphs:
+    if route.path == DCAPath.CUDA_GRAPHS:
         key = (q.shape, k.shape, q.dtype, q.device, chunk_size, local_size, float(rope_theta),
                float(mscale), scale, scaling, rope_scaling, kernels.active(),
                plan.paths)

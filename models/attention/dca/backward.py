@@ -78,7 +78,7 @@ def dca_backward(plan: DCAPlan, scale: float, q: torch.Tensor, k: torch.Tensor, 
                  rotated: grouped.Rotated | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dual_chunk_attention; out and dout contiguous [b, s, h, d], v too
-    unless the plan chose DCA's own kernels (grouped.paths): then its backward kernel in one
+    unless the plan chose DCA's own kernels (dispatch.route): then its backward kernel in one
     piece, or in the pieces of grouped.split (grouped.backward), dq, dk and dv written into
     `grads` where given (only there: q in its groups, models/fused_qkv.py), q and k read
     rotated from `rotated` where the forward kept them."""

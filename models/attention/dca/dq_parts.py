@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from models.attention.dca.plan import KERNEL_HEAD_DIMS
 from models.attention.rope import apply_rope, half_tables, head_layout, use_triton
 
 try:
@@ -25,9 +26,6 @@ except ImportError:  # CPU-only installs: the torch path is used instead.
     triton = None
 
 
-# The head dims at which FA4's SM90 dQ accumulator has the order fa4_sm90_rows reads (checked
-# against FA4's postprocess on the GPU: tests/gpu/test_fa4_gpu.py)
-FA4_SM90_HEAD_DIMS = (64, 96, 128)
 
 
 class DQParts(NamedTuple):
@@ -40,7 +38,7 @@ class DQParts(NamedTuple):
 
 def fa4_sm90_rows(data: torch.Tensor, dim: int) -> torch.Tensor:
     """[..., n * d] in FA4's SM90 dQ accumulator order -> [..., n, d] (a copy), for the head
-    dims FA4_SM90_HEAD_DIMS.
+    dims KERNEL_HEAD_DIMS.
 
     FA4's SM90 backward computes dQ in 64-row WGMMA fragments (a warpgroup's thread t holds
     value i at row 16 (t // 32) + 8 ((i // 2) % 2) + (t % 32) // 4, column 8 (i // 4) +
@@ -70,15 +68,15 @@ def rotate_back(dq_parts: DQParts, positions: torch.Tensor, cos_half: torch.Tens
     1); both with a unit last stride. out may be a view with a unit last stride, also [b, n,
     groups, heads_per_group, d] (heads in groups, as in megatron's fused QKV projection: the
     groups' heads in order). Layout "fa4_sm90" needs n a multiple of 64 and d in
-    FA4_SM90_HEAD_DIMS."""
+    KERNEL_HEAD_DIMS."""
     parts = positions.shape[0]
     batch, rows, heads, dim = out.shape[0], out.shape[1], out.shape[2:-1].numel(), out.shape[-1]
     if dq_parts.data.shape != (parts * batch, heads, rows * dim):
         raise ValueError(f"dQ parts {tuple(dq_parts.data.shape)} do not fit {parts} parts of "
                          f"dq {tuple(out.shape)}")
-    if dq_parts.layout == "fa4_sm90" and (rows % 64 or dim not in FA4_SM90_HEAD_DIMS):
+    if dq_parts.layout == "fa4_sm90" and (rows % 64 or dim not in KERNEL_HEAD_DIMS):
         raise ValueError(f"FA4's SM90 dQ layout needs rows ({rows}) a multiple of 64 and "
-                         f"head_dim ({dim}) one of {FA4_SM90_HEAD_DIMS}")
+                         f"head_dim ({dim}) one of {KERNEL_HEAD_DIMS}")
     if dq_parts.layout != "fa4_sm90" or not use_triton(dq_parts.data):
         _rotate_back_torch(dq_parts, positions, cos_half, sin_half, factors, scale, out)
         return

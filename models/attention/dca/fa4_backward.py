@@ -38,9 +38,8 @@ from collections.abc import Iterator
 import torch
 
 from models.attention.dca import fa4_parts
-from models.attention.dca.dq_parts import FA4_SM90_HEAD_DIMS, DQParts
-
-_ROW_MULTIPLE = 128  # L and S: multiples of every SM90 backward tile (64 or 128 rows)
+from models.attention.dca.dq_parts import DQParts
+from models.attention.dca.plan import KERNEL_BLOCK, KERNEL_HEAD_DIMS
 
 
 def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -67,15 +66,15 @@ def backward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, out: tor
     batch, seq, heads, head_dim = out.shape
     seq_k, heads_kv, head_dim_v = v.shape[1], v.shape[2], v.shape[3]
     parts = q_rot.shape[0] // batch
-    if (length % _ROW_MULTIPLE or successive_rows % _ROW_MULTIPLE or seq % _ROW_MULTIPLE
-            or seq_k % _ROW_MULTIPLE or seq > seq_k):
+    if (length % KERNEL_BLOCK or successive_rows % KERNEL_BLOCK or seq % KERNEL_BLOCK
+            or seq_k % KERNEL_BLOCK or seq > seq_k):
         raise ValueError(f"the DCA backward kernel needs L ({length}), the successive rows "
                          f"({successive_rows}) and the query ({seq}) and key ({seq_k}) rows to "
-                         f"be multiples of {_ROW_MULTIPLE}, queries <= keys")
+                         f"be multiples of {KERNEL_BLOCK}, queries <= keys")
     cfg, multiple = _accumulator_layout(head_dim, head_dim_v)
     tile_m = cfg.m_block_size
     if (cfg.dQ_swapAB or tile_m // cfg.AtomLayoutMdQ != 64
-            or head_dim not in FA4_SM90_HEAD_DIMS):
+            or head_dim not in KERNEL_HEAD_DIMS):
         raise ValueError(f"head_dim {head_dim}: FA4's dQ accumulator is not in the layout "
                          "dq_parts.fa4_sm90_rows reads")
     gqa = heads_kv < heads

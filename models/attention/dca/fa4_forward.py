@@ -17,7 +17,7 @@ The queries may be the last rows of the keys' (FA4's bottom-right causal alignme
 out and lse are then complete), as in the backward kernel; grouped.forward passes all rows at
 once. Needs the chunk length L and the query and key rows to be multiples of 128 (the tile:
 every tile lies in one chunk and only the diagonal one is masked). FA4 (and its CuTe DSL) is
-imported on first use; `forward` is called only where grouped.kernel_applies.
+imported on first use; `forward` is called only where dispatch.kernel_refusal finds nothing.
 """
 
 import functools
@@ -25,8 +25,7 @@ import functools
 import torch
 
 from models.attention.dca import fa4_parts
-
-_TILE = 128  # query and key tile: FA4's SM90 forward for head_dim <= 128, fixed here
+from models.attention.dca.plan import KERNEL_BLOCK  # the query and key tile, fixed
 
 
 def forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, scale: float,
@@ -44,11 +43,11 @@ def forward(q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, scale: fl
     batch, seq, heads, head_dim = out.shape
     seq_k, heads_kv = k_rot.shape[1], k_rot.shape[2]
     parts = q_rot.shape[0] // batch
-    if (length % _TILE or successive_rows % _TILE or seq % _TILE or seq_k % _TILE
+    if (any(n % KERNEL_BLOCK for n in (length, successive_rows, seq, seq_k))
             or seq > seq_k or head_dim > 128):
         raise ValueError(f"the DCA forward kernel needs L ({length}), the successive rows "
                          f"({successive_rows}) and the query ({seq}) and key ({seq_k}) rows to "
-                         f"be multiples of {_TILE}, queries <= keys, head_dim <= 128 (got "
+                         f"be multiples of {KERNEL_BLOCK}, queries <= keys, head_dim <= 128 (got "
                          f"{head_dim})")
     q_rot, k_rot, v = (fa.maybe_contiguous(t) for t in (q_rot, k_rot, v))
     dtype = fa.torch2cute_dtype_map[q_rot.dtype]
@@ -82,7 +81,7 @@ def _kernel_class() -> type:
                      **kwargs) -> None:
             super().__init__(*args, **kwargs)
             assert self.is_causal and not self.is_local and not self.pack_gqa
-            assert self.intra_wg_overlap and self.tile_m == self.tile_n == _TILE
+            assert self.intra_wg_overlap and self.tile_m == self.tile_n == KERNEL_BLOCK
             self.set_parts(length, parts, successive_rows)
 
         # annotations evaluated here (no postponed evaluation in this file): the DSL reads them
@@ -366,10 +365,10 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
         # FA4's tile configuration with 128-row query tiles (block-sparse sizing: 128 x 128
         # for every head_dim <= 128)
         cfg = fa._tile_size_fwd_sm90(head_dim, head_dim_v, True, False,
-                                     sparse_block_size_q=_TILE)
+                                     sparse_block_size_q=KERNEL_BLOCK)
         kernel = _kernel_class()(
             dtype, head_dim, head_dim_v, qhead_per_kvhead, is_causal=True, is_local=False,
-            pack_gqa=False, tile_m=_TILE, tile_n=_TILE, num_stages=2, num_threads=384,
+            pack_gqa=False, tile_m=KERNEL_BLOCK, tile_n=KERNEL_BLOCK, num_stages=2, num_threads=384,
             Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=cfg.mma_pv_is_rs,
             length=length, parts=parts, successive_rows=successive_rows)
         q, k, v, out, lse = tensors

@@ -12,11 +12,9 @@ Backward (fa4_backward.py): with the merged out and lse (the global-LSE recipe, 
 backward.py); dK/dV leave it summed over the parts, dQ per part in float32 accumulators,
 rotated back and summed into dq in one pass (dq_parts.py).
 
-Where the kernels apply (`kernel_applies`): kernel fa4 on a Hopper GPU (they derive from FA4's
-SM90 kernels; on later GPUs the part calls run FA4's kernels for them), bf16/fp16, no packed
-documents, the chunk length L and the sequence multiples of BLOCK (each tile then lies in one
-query chunk and one key chunk: only intra's diagonal tiles are partly masked), head dims 64, 96
-and 128.
+Where the kernels apply is dispatch.py's decision (`kernel_refusal`): kernel fa4 on a Hopper GPU,
+bf16/fp16, no packed documents, L and the sequence multiples of BLOCK (each tile then lies in one
+query chunk and one key chunk: only intra's diagonal tiles are partly masked), its head dims.
 The forward holds every part's rotated q (three times q's size) for its one call. The backward
 holds, per query row and head, its three rotated copies and three float32 dQ accumulators (nine
 times q's size in bf16), so under `dca_backward=auto` it runs in as few pieces as keep the
@@ -25,7 +23,7 @@ heads, each with its query heads, where each group launches at least MIN_GROUP_B
 (every (head, key block) pair is then still one block of one launch, as in causal attention;
 a piece of rows launches a block per key tile up to its end, and a block's fixed work costs ~9
 us of an SM); else, on short sequences or with too few heads, pieces of query rows of all
-heads. `one_piece` takes everything at once (~2.3x the memory; docs/benchmarks.md).
+heads. `one_piece` takes everything at once (faster, more memory: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -35,11 +33,10 @@ from typing import NamedTuple
 
 import torch
 
-from models.attention import kernels
 from models.attention.dca import fa4_backward, fa4_forward
 from models.attention.dca.dq_parts import rotate_back
 from models.attention.dca.plan import KERNEL_BLOCK as BLOCK
-from models.attention.dca.plan import DCAPlan, KernelPaths, check_backward, flat_heads
+from models.attention.dca.plan import DCAPlan, flat_heads
 from models.attention.lse_attention import accumulation_dtype
 from models.attention.rope import rotate_transpose_sum
 
@@ -54,34 +51,6 @@ MIN_PIECE_ROWS = 8192
 # Measured at 16K: 3 heads (384 blocks) 0.77x of FA4 causal against 0.86x for all heads in 2
 # pieces of rows; one key head of 16/4 (512 blocks) 0.89x against 0.84x in 4 pieces of rows.
 MIN_GROUP_BLOCKS = 512
-# The head dims the kernels were checked at on the H100 (tests/gpu/test_fa4_gpu.py); at 72
-# FA4's SM90 backward machinery gave wrong gradients (docs/benchmarks.md). The rest take the
-# part calls.
-HEAD_DIMS = (64, 96, 128)
-
-
-def kernel_applies(q: torch.Tensor, length: int, packed: bool) -> bool:
-    """Whether DCA's kernels (fa4_forward.py, fa4_backward.py) serve DCA on q with chunk length
-    `length` (packed: documents given): kernel fa4 on a Hopper GPU (kernels.hopper) in
-    bf16/fp16, one document per sequence, L and the sequence multiples of BLOCK, head_dim one
-    of HEAD_DIMS. Decided once per call, in its DCAPlan."""
-    return (kernels.fa4_applies(q) and kernels.hopper(q.device) and not packed
-            and length % BLOCK == 0 and q.shape[1] % BLOCK == 0 and q.shape[-1] in HEAD_DIMS)
-
-
-def paths(q: torch.Tensor, length: int, packed: bool, backward: str,
-          keep_rotated: bool = False) -> KernelPaths:
-    """Where DCA runs on q under the `dca_backward` setting: its kernels wherever they apply
-    (auto: the backward in pieces, `split`; one_piece: in one), else, or under parts, the part
-    calls. `keep_rotated` (the `dca_keep_rotated` setting) holds with the kernels only: the
-    part calls rotate per call."""
-    check_backward(backward)
-    if backward == "parts" or not kernel_applies(q, length, packed):
-        return KernelPaths()
-    return KernelPaths(kernels=True, one_piece=backward == "one_piece",
-                       keep_rotated=keep_rotated)
-
-
 class Rotated(NamedTuple):
     """What the forward kernel read, kept for the backward under `KernelPaths.keep_rotated`:
     every part's rotated queries [p, b, s, hq, d] (DCAPlan.rotate_parts) and the rotated keys

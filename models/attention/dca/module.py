@@ -15,6 +15,7 @@ import torch
 
 from models.attention.core import CoreAttention
 from models.attention.cp_variants import cp_dual_chunk_attention
+from models.attention.dca import dispatch
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.probe import dca_probabilities
 from models.attention.registry import dca_scaling
@@ -35,8 +36,9 @@ class DCACoreAttention(CoreAttention):
         self.mscale = attention_factor(config.rope_scaling)
         self.scaling = dca_scaling(config.attention)
         self.cuda_graphs = config.dca_cuda_graphs
-        self.backward = config.attention.dca_backward
-        self.keep_rotated = config.attention.dca_keep_rotated
+        # how DCA runs, from the run's options (models.options.BuildOptions), as a plain string
+        self.backward = str(config.dca_backward)
+        self.keep_rotated = config.dca_keep_rotated
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -56,6 +58,7 @@ class DCACoreAttention(CoreAttention):
         )
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dispatch.route_cp()
         return cp_dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size, group=self.cp_group,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,

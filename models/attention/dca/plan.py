@@ -14,9 +14,10 @@ import torch
 
 from models.attention.dca.scaling import DCAScaling, query_factors
 from models.attention.rope import rope_cos_sin, rotate_multi
+from models.options import DCABackward
 from models.rope_scaling import RopeScaling
 
-BACKWARDS = ("auto", "one_piece", "parts")  # the dca_backward setting (grouped.paths)
+BACKWARDS = tuple(DCABackward)  # the trainer.dca_backward setting (dispatch.route)
 
 
 def check_backward(backward: str) -> None:
@@ -26,10 +27,23 @@ def check_backward(backward: str) -> None:
 # DCA's own kernels' query and key tile (FA4's SM90 tiles for head_dim <= 128): every tile lies
 # in one chunk when L and the sequence are multiples of it.
 KERNEL_BLOCK = 128
+# The head dims DCA's kernels run at: where FA4's SM90 dQ accumulator has the order dq_parts.py
+# reads, checked with the kernels on the H100 (tests/gpu/test_fa4_gpu.py; at 72 FA4's SM90
+# backward machinery gave wrong gradients, docs/benchmarks.md). Other head dims take the part
+# calls.
+KERNEL_HEAD_DIMS = (64, 96, 128)
+
+
+def plain_causal(longest: int, chunk_size: int, local_size: int, scaled: bool) -> bool:
+    """Whether DCA over documents of at most `longest` tokens is causal attention under RoPE
+    at their own positions: no logit scaling, and at most C tokens and 2L (no inter part).
+    Chunk 1's offsets r < w then put its successive query at r + L = p, unclamped, so every
+    relative distance is the true one."""
+    return not scaled and longest <= min(chunk_size, 2 * (chunk_size - local_size))
 
 
 class KernelPaths(NamedTuple):
-    """How one DCA call runs, chosen by grouped.paths: through DCA's own FA4 kernels
+    """How one DCA call runs, chosen by dispatch.route: through DCA's own FA4 kernels
     (fa4_forward.py, fa4_backward.py) or the part calls, the backward kernel over all heads
     and query rows at once or in the pieces of grouped.split, and whether the backward takes
     the forward's rotated queries and keys (kept as activations) or rotates them again."""
@@ -67,11 +81,8 @@ class DCAPlan:
         self.q_scale = query_factors(scaling, chunk_size, seq,
                                      None if bounds is None else tuple(bounds), self.num_parts,
                                      table_dtype, q.device)
-        # Documents of at most C tokens (and 2L: no inter part) are causal attention under RoPE
-        # at their own positions: chunk 1's offsets r < w, so its successive query sits at
-        # r + L = p, unclamped, and every relative distance is the true one.
         longest = max(n for _, _, n in self.docs)
-        self.causal = self.q_scale is None and longest <= min(chunk_size, 2 * self.length)
+        self.causal = plain_causal(longest, chunk_size, local_size, self.q_scale is not None)
         # DCA's kernels read a query block's successive tiles from the inter copy where the two
         # are the same rotation: with the inter position min(2L - 1, C) equal to C, every row
         # past a chunk's first w has its successive position r + L clamped to C too. So only

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-SCALING_KINDS = ("none", "log", "yarn")
-SCALED_PARTS = {"all": (0, 1, 2), "succ_inter": (1, 2), "inter": (2,)}  # DCA part indices
+from models.schema import DCAScaledParts, DCAScalingKind
+
+SCALING_KINDS = tuple(kind.value for kind in DCAScalingKind)  # the attention.dca_scaling choices
+SCALED_PARTS = {DCAScaledParts.all.value: (0, 1, 2), DCAScaledParts.succ_inter.value: (1, 2),
+                DCAScaledParts.inter.value: (2,)}  # DCA part indices
 
 
 @dataclass(frozen=True)
