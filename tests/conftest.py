@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -185,12 +186,23 @@ def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> No
 
 
 def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
-                  threads: int | None, new_session: bool, file_size_limit: int | None) -> None:
+                  threads: int | None, new_session: bool, file_size_limit: int | None,
+                  fork_ckpt_workers: bool = False) -> None:
     """In a forkserver child: what `python -m args[0] args[1:]` does (the module as `__main__`,
     argv, working directory, environment, exit status, atexit handlers), stdout to `out` and
     stderr to `err`; `threads`: torch's threads, as torchrun's OMP_NUM_THREADS=1 sets them;
     `new_session`: as `subprocess.Popen(start_new_session=True)`; `file_size_limit`: bytes, as
-    `ulimit -f` (a write past it fails with EFBIG: Python ignores SIGXFSZ)."""
+    `ulimit -f` (a write past it fails with EFBIG: Python ignores SIGXFSZ);
+    `fork_ckpt_workers`: the checkpoint tool's worker ranks forked from this child (fresh from
+    the server: no process groups to inherit) instead of spawned as new interpreters."""
+    if fork_ckpt_workers:
+        import functools
+
+        import ckpt.hf_import
+        import ckpt.reshape
+
+        for module in (ckpt.reshape, ckpt.hf_import):
+            module.run_workers = functools.partial(forked_workers, start_method="fork")
     if new_session:
         os.setsid()
     os.chdir(cwd)
@@ -234,13 +246,13 @@ class ModuleRun:
 
     def __init__(self, module: str, args: list[str], cwd: Path, env: dict[str, str],
                  logs: Path, threads: int | None = None, new_session: bool = False,
-                 file_size_limit: int | None = None) -> None:
+                 file_size_limit: int | None = None, fork_ckpt_workers: bool = False) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = logs / "stdout", logs / "stderr"
         self.process = mp.get_context("forkserver").Process(
             target=_module_child, args=([module, *args], str(cwd), env, str(self.out),
                                         str(self.err), threads, new_session,
-                                        file_size_limit))
+                                        file_size_limit, fork_ckpt_workers))
         self.process.start()
         self.pid = self.process.pid
 
@@ -283,7 +295,8 @@ def _module_env(env: dict[str, str | None] | None) -> dict[str, str]:
 def start_module(module: str, args: list[str], cwd: Path,
                  env: dict[str, str | None] | None = None, logs: Path | None = None,
                  threads: int | None = None, new_session: bool = False,
-                 file_size_limit: int | None = None) -> ModuleRun:
+                 file_size_limit: int | None = None,
+                 fork_ckpt_workers: bool = False) -> ModuleRun:
     """Start `python -m module args` in `cwd` as a child of the forkserver that imported torch,
     megatron, the trainer and the checkpoint tool once (a new interpreter spends ~7 s on them):
     the entry point's own code from its first line, in a process of its own (its locks, signals
@@ -293,14 +306,16 @@ def start_module(module: str, args: list[str], cwd: Path,
     not test: tests/trainer/test_entry_errors.py and test_quiet_run.py run new interpreters."""
     logs = logs or cwd.parent / f".{cwd.name}.run{os.getpid()}-{next(_runs)}"
     return ModuleRun(module, args, cwd, _module_env(env), logs, threads, new_session,
-                     file_size_limit)
+                     file_size_limit, fork_ckpt_workers)
 
 
 def run_module(module: str, args: list[str], cwd: Path,
                env: dict[str, str | None] | None = None, timeout: float = 600,
-               file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+               file_size_limit: int | None = None,
+               fork_ckpt_workers: bool = False) -> subprocess.CompletedProcess:
     """`start_module` to its end: the exit status and output (it is killed after `timeout`)."""
-    run = start_module(module, args, cwd, env, file_size_limit=file_size_limit)
+    run = start_module(module, args, cwd, env, file_size_limit=file_size_limit,
+                       fork_ckpt_workers=fork_ckpt_workers)
     try:
         run.wait(timeout)
     finally:
@@ -333,12 +348,15 @@ def run_module_ranks(module: str, args: list[str], nproc: int, cwd: Path,
             for run in runs]
 
 
-def forked_workers(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
-    """`parallel.lifetime.run_workers` with its ranks forked from the preloaded server instead
-    of spawned as new interpreters (~7 s of imports each): what `python -m ckpt reshape` and
-    `import-hf` called in a test start (`_checkpoint_workers_forked`)."""
+def forked_workers(fn: Callable[..., None], args: tuple, nprocs: int,
+                   start_method: str = "forkserver") -> None:
+    """`parallel.lifetime.run_workers` with its ranks forked from the preloaded server (or,
+    `start_method` fork, from this process) instead of spawned as new interpreters (~7 s of
+    imports each): what `python -m ckpt reshape` and `import-hf` called in a test start
+    (`_checkpoint_workers_forked`), or in a command `start_module` runs with
+    `fork_ckpt_workers`."""
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
-                                 start_method="forkserver")
+                                 start_method=start_method)
     try:
         while not context.join():
             pass
@@ -352,7 +370,7 @@ def _checkpoint_workers_forked() -> Iterator[None]:
     """In the test processes (not the forkserver's children, which run the real commands), the
     checkpoint tool's worker ranks are forks (`forked_workers`). Their start as spawned
     interpreters that die with their parent, and their stop on a signal, are tested through
-    the command line: tests/ckpt/test_ckpt_signals.py, tests/test_readme.py."""
+    the command line: tests/ckpt/test_ckpt_signals.py."""
     import ckpt.hf_import
     import ckpt.reshape
 
@@ -360,6 +378,37 @@ def _checkpoint_workers_forked() -> Iterator[None]:
         for module in (ckpt.reshape, ckpt.hf_import):
             patch.setattr(module, "run_workers", forked_workers)
         yield
+
+
+def _hold_in_child(directories: list[str], ready: Any, as_run_dir: bool) -> None:
+    """In a forked child: hold `directories` as a running job does, until killed."""
+    if as_run_dir:
+        from trainer.run_dir import hold
+    else:
+        from ckpt.lock import hold
+    for path in directories:
+        hold(Path(path))
+    ready.set()
+    time.sleep(600)
+
+
+@contextlib.contextmanager
+def held_elsewhere(*directories: Path, as_run_dir: bool = False) -> Iterator[mp.Process]:
+    """Another process holding `directories` as a running job does (`ckpt.lock.hold`, or
+    `trainer.run_dir.hold` with `as_run_dir`): a fork of this one, which takes file locks and
+    sleeps, touching none of the parent's process groups; its locks are its own as a new
+    interpreter's would be, without its seconds of imports. Yields the process (its pid)."""
+    context = mp.get_context("fork")
+    ready = context.Event()
+    proc = context.Process(target=_hold_in_child,
+                           args=([str(d) for d in directories], ready, as_run_dir))
+    proc.start()
+    try:
+        assert ready.wait(120), "the holder did not take its locks"
+        yield proc
+    finally:
+        proc.kill()
+        proc.join()
 
 
 def _train_rank(overrides: list[str], run_dir: str) -> None:

@@ -282,7 +282,10 @@ class Scratch:
                 if words[:3] == [sys.executable, "-m", "torch.distributed.run"]:
                     proc = _ranks(words[3:], self.root, self.env)
                 elif words[:2] == [sys.executable, "-m"]:
-                    proc = run_module(words[2], words[3:], self.root, self.env)
+                    # the checkpoint tool's ranks forked, not spawned: their spawn is tested in
+                    # tests/ckpt/test_ckpt_signals.py
+                    proc = run_module(words[2], words[3:], self.root, self.env,
+                                      fork_ckpt_workers=True)
                 else:
                     proc = subprocess.run(words, cwd=self.root, env=self.env, capture_output=True,
                                           text=True, timeout=600)

@@ -23,33 +23,7 @@ import ckpt.destination
 from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, run_module
-
-
-def _hold(directories: list[str], ready: Any) -> None:
-    """In a forkserver child: hold `directories` as a running job does, until killed."""
-    from ckpt.lock import hold
-
-    for path in directories:
-        hold(Path(path))
-    ready.set()
-    time.sleep(600)
-
-
-@contextmanager
-def held(*directories: Path) -> Iterator[mp.Process]:
-    """Another process holding `directories` as a running job does (a child of the preloaded
-    forkserver, tests/conftest.py: its locks are its own, as a new interpreter's would be)."""
-    context = mp.get_context("forkserver")
-    ready = context.Event()
-    proc = context.Process(target=_hold, args=([str(d) for d in directories], ready))
-    proc.start()
-    try:
-        assert ready.wait(120), "the holder did not take its locks"
-        yield proc
-    finally:
-        proc.kill()
-        proc.join()
+from tests.conftest import FAST, held_elsewhere, run_module
 
 
 def _live_root(root: Path, tmp_path: Path) -> Path:
@@ -80,7 +54,7 @@ def test_overwrite_of_a_live_runs_checkpoint_dir_is_refused(root: Path, tmp_path
     live = _live_root(root, tmp_path)
     before = _listing(live)
     extra = {"export": ["--format", "zarr"], "reshape": ["--target-tp", "2"]}.get(command, [])
-    with held(live) as holder:
+    with held_elsewhere(live) as holder:
         _refused(capsys, [command, str(root), str(live), "--overwrite", *extra],
                  f"{live} is in use by pid {holder.pid} on", "choose another DST")
     assert _listing(live) == before
@@ -90,7 +64,7 @@ def test_overwrite_of_a_live_runs_checkpoint_dir_is_refused(root: Path, tmp_path
 def test_a_dst_around_or_inside_a_live_directory_is_refused(root: Path, tmp_path: Path,
                                                           capsys) -> None:
     live = _live_root(root, tmp_path)
-    with held(live) as holder:
+    with held_elsewhere(live) as holder:
         # replacing a directory that holds the live one (its run directory, say)
         _refused(capsys, ["export-hf", str(root), str(live.parent), "--overwrite"],
                  f"{live}, inside {live.parent}, is in use by pid {holder.pid}")
@@ -108,13 +82,13 @@ def test_a_dst_taken_by_a_run_while_the_command_writes_is_kept(tmp_path: Path) -
         with pytest.raises(DestinationError, match="took it while this command ran"):  # noqa: PT012
             with staged(dst, overwrite=True) as tmp:
                 (tmp / "ours").write_text("ours")
-                stack.enter_context(held(dst))
+                stack.enter_context(held_elsewhere(dst))
         assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no .dst.tmp-PID
         assert sorted(p.name for p in dst.iterdir()) == ["run.lock"]  # the run's, untouched
 
 
 def _claim_in_child(run_dir: str, checkpoint_dir: str, result: Any, stay: Any) -> None:
-    """In a forkserver child: what `python -m trainer hydra.run.dir=RUN checkpoint.dir=CKPT`
+    """In a child process: what `python -m trainer hydra.run.dir=RUN checkpoint.dir=CKPT`
     claims; "claimed" or the refusal into `result`, then, once claimed, wait while `stay`."""
     from omegaconf import OmegaConf
 
@@ -136,8 +110,8 @@ def _claim_in_child(run_dir: str, checkpoint_dir: str, result: Any, stay: Any) -
 def _claiming(run_dir: Path, checkpoint_dir: str, stay: bool = False) -> Iterator[
         tuple[str, mp.Process]]:
     """What the claim of `run_dir` and `checkpoint_dir` says, in a process of its own (a lock
-    lasts as long as its process), kept alive inside the block if `stay`."""
-    context = mp.get_context("forkserver")
+    lasts as long as its process; a fork, as `held`), kept alive inside the block if `stay`."""
+    context = mp.get_context("fork")
     result, staying = context.Queue(), context.Event()
     if stay:
         staying.set()
@@ -161,11 +135,11 @@ def test_a_run_dir_holding_a_live_runs_checkpoint_dir_is_refused(tmp_path: Path)
     (`hydra.run.dir=W/X`, the default `checkpoint.dir=checkpoints`) must not take W/X/checkpoints.
     Before: `hold_checkpoints` returned early for a root inside the run directory."""
     live = tmp_path / "X" / "checkpoints"
-    with held(tmp_path / "Y", live) as y:
+    with held_elsewhere(tmp_path / "Y", live) as y:
         claimed = _claim(tmp_path / "X", "checkpoints")
         assert f"checkpoint.dir {live} is in use by pid {y.pid} on" in claimed, claimed
         # ... and the other way round: Y's root inside X's run directory, X live
-    with held(tmp_path / "X") as x:
+    with held_elsewhere(tmp_path / "X") as x:
         claimed = _claim(tmp_path / "Y", str(live))
         assert f"lies in {tmp_path / 'X'}, a directory in use by pid {x.pid}" in claimed, claimed
     assert _claim(tmp_path / "X", "checkpoints") == "claimed"  # all released
@@ -178,7 +152,7 @@ def test_the_attack_with_overwrite_keeps_the_live_runs_checkpoints(root: Path,
     W/X/checkpoints: it used to exit 0 after removing Y's checkpoints."""
     live = _live_root(root, tmp_path)
     before = _listing(live)
-    with held(tmp_path / "Y", live) as y:
+    with held_elsewhere(tmp_path / "Y", live) as y:
         proc = run_module("trainer", [*FAST, "trainer.max_steps=2", "hydra.run.dir=X",
                                       "checkpoint.overwrite=true"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -203,7 +177,7 @@ def test_the_lock_of_a_checkpoint_dir_inside_the_run_dir_is_taken(tmp_path: Path
 def test_export_hf_of_a_live_root_as_source_still_works(root: Path, tmp_path: Path) -> None:
     """Reading a live run's checkpoints is fine: only writers honour the lock."""
     live = _live_root(root, tmp_path)
-    with held(live):
+    with held_elsewhere(live):
         assert main(["export-hf", str(live), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert ckpt.destination.written == [tmp_path / "hf"]

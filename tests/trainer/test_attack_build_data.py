@@ -10,8 +10,9 @@ attacker of build_data starts here.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -55,29 +56,36 @@ def test_a_lone_surrogate_names_the_file_and_line(corpus: Path, capsys) -> None:
     assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt", "docs.jsonl"]
 
 
-# build_data in a child process that sends itself SIGTERM while it reads its first document,
-# after its temporary PREFIX.bin.tmp-PID exists.
-_TERMINATED = """
-import os, signal, sys
-from pathlib import Path
-import trainer.build_data as bd
-read = bd._documents
-def documents(path, *args):
-    assert list(Path.cwd().glob("ds.bin.tmp-*")), "the temporary .bin should exist by now"
-    os.kill(os.getpid(), signal.SIGTERM)
-    yield from read(path, *args)
-bd._documents = documents
-sys.exit(bd.main(["doc.txt", "--output-prefix", "ds"]))
-"""
+def _terminated(cwd: str, err: str) -> None:
+    """In a forked child: build_data, which sends itself SIGTERM while it reads its first
+    document, after its temporary PREFIX.bin.tmp-PID exists; stderr to `err`."""
+    import trainer.build_data as bd
+
+    os.chdir(cwd)
+    target = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture
+    read = bd._documents
+
+    def documents(path, *args):  # noqa: ANN001, ANN002, ANN202
+        assert list(Path.cwd().glob("ds.bin.tmp-*")), "the temporary .bin should exist by now"
+        os.kill(os.getpid(), signal.SIGTERM)
+        yield from read(path, *args)
+    bd._documents = documents
+    code = bd.main(["doc.txt", "--output-prefix", "ds"])
+    sys.stderr.flush()
+    os._exit(code)
 
 
-@pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
-def test_sigterm_removes_the_temporary_files(corpus: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", _TERMINATED], cwd=corpus.parent,
-                          capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])})
-    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
-    assert "error: interrupted by SIGTERM; nothing was written" in proc.stderr, proc.stderr
+def test_sigterm_removes_the_temporary_files(corpus: Path, tmp_path_factory) -> None:
+    """In a process of its own (a fork of this one): its signal handlers are its own."""
+    err = tmp_path_factory.mktemp("stderr") / "stderr"
+    proc = mp.get_context("fork").Process(target=_terminated, args=(str(corpus.parent), str(err)))
+    proc.start()
+    proc.join(300)
+    stderr = err.read_text()
+    assert proc.exitcode == 143, (proc.exitcode, stderr[-2000:])
+    assert "error: interrupted by SIGTERM; nothing was written" in stderr, stderr
     assert sorted(p.name for p in corpus.parent.iterdir()) == ["doc.txt"]
 
 

@@ -18,7 +18,14 @@ import ckpt.save
 from ckpt import disk
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, REPO, ModuleRun, compose_config, start_module
+from tests.conftest import (
+    FAST,
+    REPO,
+    ModuleRun,
+    compose_config,
+    held_elsewhere,
+    start_module,
+)
 from trainer.errors import UserError
 from trainer.train import train
 
@@ -120,19 +127,11 @@ def test_a_checkpoint_dir_inside_another_runs_directory_is_refused(tmp_path: Pat
     its absolute `checkpoint.dir` there."""
     from trainer.run_dir import RunDirError, hold_checkpoints
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import time; from pathlib import Path; "
-         "from trainer.run_dir import hold; hold(Path('a')); print('held', flush=True); "
-         "time.sleep(600)"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_elsewhere(tmp_path / "a", as_run_dir=True) as holder:
         cfg = compose_config([f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}"])
         with pytest.raises(RunDirError, match=rf"lies in {tmp_path / 'a'}, a directory in use "
                                               rf"by pid {holder.pid} on"):
             hold_checkpoints(cfg, tmp_path / "b")
-    finally:
-        holder.kill()
-        holder.communicate()
 
 
 def test_a_disk_full_reported_by_torchs_checkpoint_exception_is_named(

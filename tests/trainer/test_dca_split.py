@@ -17,8 +17,7 @@ from tests.ckpt.longctx_models import write_variant
 from tests.conftest import compose_config
 from trainer.defaults import adopt_dca_split, set_sizes
 from trainer.evals import ruler_run
-from trainer.evals.measures import PasskeyCell, PerplexityPoint
-from trainer.evals.results import EvalResults
+from trainer.evals.results import EvalResults, PasskeyCell, PerplexityPoint
 from trainer.evals.ruler.scoring import SuiteResult
 
 

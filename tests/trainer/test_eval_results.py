@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.evals.measures import AttentionPoint, PasskeyCell, PerplexityPoint, PositionBucket
-from trainer.evals.results import EvalResults
-from trainer.evals.retrieval import MultiKeyCell
+from trainer.evals.results import (
+    AttentionPoint,
+    EvalResults,
+    MultiKeyCell,
+    PasskeyCell,
+    PerplexityPoint,
+    PositionBucket,
+)
 from trainer.evals.ruler import SuiteResult, TaskScore
 
 COMMON = dict(checkpoint="ckpt/iter_0000001", step=1, trained_attention="standard",

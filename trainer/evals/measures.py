@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -12,52 +9,12 @@ from tqdm import tqdm
 from trainer.errors import UserError
 from trainer.evals.decoding import Greedy, logits_of
 from trainer.evals.passkey import answer_text, passkey_prompt, random_key
-
-
-@dataclass
-class PasskeyCell:
-    length: int
-    depth: float
-    correct: int
-    trials: int
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.trials
-
-
-@dataclass
-class PositionBucket:
-    """Next-token loss of the predictions made at input positions [start, end) of a window."""
-
-    start: int
-    end: int
-    nll: float  # mean over the bucket's tokens (nats)
-    tokens: int
-
-    @property
-    def perplexity(self) -> float:
-        return _perplexity(self.nll)
-
-
-@dataclass
-class PerplexityPoint:
-    length: int
-    nll: float  # mean next-token loss (nats) over the windows
-    windows: int
-    buckets: list[PositionBucket] = field(default_factory=list)
-
-    @property
-    def perplexity(self) -> float:
-        return _perplexity(self.nll)
-
-
-def _perplexity(nll: float) -> float:
-    """e^nll; inf where that overflows a float (a diverged model's loss, above ~709 nats)."""
-    try:
-        return math.exp(nll)
-    except OverflowError:
-        return math.inf
+from trainer.evals.results import (
+    AttentionPoint,
+    PasskeyCell,
+    PerplexityPoint,
+    PositionBucket,
+)
 
 
 def bucket_edges(length: int, trained_length: int | None) -> list[int]:
@@ -133,19 +90,6 @@ def perplexity_by_length(model: torch.nn.Module, stream: np.ndarray, lengths: li
         points.append(PerplexityPoint(length, float(per_position.sum()) / (n * length), n,
                                       buckets))
     return points
-
-
-@dataclass
-class AttentionPoint:
-    """Where the model's attention goes at one length (models/attention/probe.py): per layer,
-    the mean entropy (nats) of queries at positions [length/2, length) and their probability
-    mass on keys at each distance bucket [edges[k], edges[k + 1])."""
-
-    length: int
-    rows: list[int]
-    edges: list[int]
-    entropy: list[float]  # per layer, layer 1 first
-    mass: list[list[float]]  # per layer, per distance bucket
 
 
 @torch.no_grad()

@@ -10,14 +10,86 @@ perplexity beside its counts, for readers without this module.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.evals.measures import AttentionPoint, PasskeyCell, PerplexityPoint, PositionBucket
-from trainer.evals.retrieval import MultiKeyCell
 from trainer.evals.ruler.scoring import SuiteResult
+
+
+@dataclass
+class PasskeyCell:
+    length: int
+    depth: float
+    correct: int
+    trials: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.trials
+
+
+@dataclass
+class PositionBucket:
+    """Next-token loss of the predictions made at input positions [start, end) of a window."""
+
+    start: int
+    end: int
+    nll: float  # mean over the bucket's tokens (nats)
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return _perplexity(self.nll)
+
+
+@dataclass
+class PerplexityPoint:
+    length: int
+    nll: float  # mean next-token loss (nats) over the windows
+    windows: int
+    buckets: list[PositionBucket] = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> float:
+        return _perplexity(self.nll)
+
+
+def _perplexity(nll: float) -> float:
+    """e^nll; inf where that overflows a float (a diverged model's loss, above ~709 nats)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
+
+
+@dataclass
+class AttentionPoint:
+    """Where the model's attention goes at one length (models/attention/probe.py): per layer,
+    the mean entropy (nats) of queries at positions [length/2, length) and their probability
+    mass on keys at each distance bucket [edges[k], edges[k + 1])."""
+
+    length: int
+    rows: list[int]
+    edges: list[int]
+    entropy: list[float]  # per layer, layer 1 first
+    mass: list[list[float]]  # per layer, per distance bucket
+
+
+@dataclass
+class MultiKeyCell:
+    length: int
+    depth: float
+    correct: int
+    distractor: int  # trials answered with a distractor's value
+    trials: int
+    keys: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.trials
 
 
 @dataclass

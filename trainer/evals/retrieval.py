@@ -26,6 +26,7 @@ from tqdm import tqdm
 from trainer.errors import UserError
 from trainer.evals.decoding import Greedy
 from trainer.evals.passkey import answer_text, random_key
+from trainer.evals.results import MultiKeyCell
 
 NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
          "juniper", "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz",
@@ -48,20 +49,6 @@ class MultiKeyTrial:
     names: list[str]  # names[0] is asked; the rest are distractors
     values: list[str]
     starts: list[int]  # token index where each needle begins in the prompt
-
-
-@dataclass
-class MultiKeyCell:
-    length: int
-    depth: float
-    correct: int
-    distractor: int  # trials answered with a distractor's value
-    trials: int
-    keys: int
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.trials
 
 
 def corpus_filler(stream, n_tokens: int, eod: int, rng: np.random.Generator) -> list[int]:
