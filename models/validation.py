@@ -6,8 +6,8 @@ from_saved`, also inside a zarr export's manifest) and a Hugging Face config.jso
 Every value is checked for its type (a whole number is an int, not a bool, a float or a string;
 a flag is a bool, not the string "false") and its range, then the few relations between them
 that every model needs (query groups dividing the heads, an even head dimension, DCA's local
-window inside its chunk), before anything is built: a value out of range used to end as a
-traceback far from its cause, or in a hang (a billion layers). The limits are far above any model
+window inside its chunk), before anything is built, so that a value out of range ends neither in
+a traceback far from its cause nor in a hang (a billion layers). The limits are far above any model
 trained today and far below what hangs or exhausts a machine. A problem raises `SettingError`,
 one line naming the setting as its source spells it, the value and the valid range.
 """

@@ -354,7 +354,8 @@ def forked_workers(fn: Callable[..., None], args: tuple, nprocs: int,
     `start_method` fork, from this process) instead of spawned as new interpreters (~7 s of
     imports each): what `python -m ckpt reshape` and `import-hf` called in a test start
     (`_checkpoint_workers_forked`), or in a command `start_module` runs with
-    `fork_ckpt_workers`."""
+    `fork_ckpt_workers`. Not `run_workers` itself: its workers check that their parent is the
+    process that started them, and a forkserver's children have the server as their parent."""
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
                                  start_method=start_method)
     try:
@@ -378,6 +379,18 @@ def _checkpoint_workers_forked() -> Iterator[None]:
         for module in (ckpt.reshape, ckpt.hf_import):
             patch.setattr(module, "run_workers", forked_workers)
         yield
+
+
+@pytest.fixture(scope="session")
+def two_step_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints root of a two-step FAST run, shared (read only) by the tests that need
+    any trained checkpoint to get as far as they can."""
+    from trainer.train import train
+
+    run_dir = tmp_path_factory.mktemp("two_step_run")
+    train(compose_config(FAST + ["trainer.max_steps=2", "trainer.save_interval=2",
+                                 f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
+    return run_dir / "checkpoints"
 
 
 def _hold_in_child(directories: list[str], ready: Any, as_run_dir: bool) -> None:

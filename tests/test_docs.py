@@ -1,10 +1,9 @@
 """The documentation describes the project as it is now.
 
-- No tracked text file names a tracker issue (`Issue 17`, `#32` outside a URL), tells the story
-  of the work periods that produced it (`the last session`, `the fifth H100 run`, `round 2`) or
-  points outside the repository (`../shared/...`, a spec file kept elsewhere, absolute `/work/`
-  paths). Raw results under docs/results are text too: a machine path in them is written
-  relative to the repository root.
+- No tracked text file names a tracker issue, tells the story of the work periods that produced
+  it, or points outside the repository (`FORBIDDEN` below; the examples that its own test must
+  catch are in this file alone, which the check skips). Raw results under docs/results are text
+  too: a machine path in them is written relative to the repository root.
 - docs/benchmarks.md holds current figures only: at most 300 lines.
 - docs/results, the raw files behind the figures, stays under 1 MB; every file there and every
   image under docs/figures is cited by the docs, and every such path the docs cite exists.

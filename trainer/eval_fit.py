@@ -67,7 +67,7 @@ def check_memory(model, vocab_rows: int, e: DictConfig, tp: int, bf16: bool, dev
     loaded: the perplexity computes the logits [batch, length, vocabulary] whole (the model's,
     a float copy, the log-softmax), beside the
     prefill's largest activations and the weights, against the device's memory (a GPU's total,
-    the RAM available on the CPU). Before: `can't allocate` deep inside the first forward."""
+    the RAM available on the CPU), rather than `can't allocate` deep inside the first forward."""
     import psutil
     import torch
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt.__main__ import main
 from ckpt.checksums import checkpoint_files, digests, write_manifest
+from tests.ckpt.cli import refused
 from trainer.errors import UserError
 from trainer.init_from import open_load
 
@@ -48,22 +48,10 @@ def _redirect(ckpt: Path, target: str) -> None:
     _rerecord(ckpt)
 
 
-def _one_error(capsys: pytest.CaptureFixture, argv: list[str], *words: str) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if not line.startswith("warning: ")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err and "rank 1 failed" not in err, err
-    for word in words:
-        assert word in err, err
-    return err
-
-
 def _every_reader_refuses(ckpt: Path, tmp_path: Path, capsys, *words: str) -> None:
     for command, extra in READERS.items():
         dst = [] if extra is None else [str(tmp_path / f"out-{command}"), *extra]
-        _one_error(capsys, [command, str(ckpt), *dst], *words)
+        refused(capsys, [command, str(ckpt), *dst], *words)
         assert not (tmp_path / f"out-{command}").exists()
     with pytest.raises(UserError, match="|".join(words)):  # resume, eval, generate: open_load
         open_load(str(ckpt))
@@ -104,7 +92,7 @@ def test_the_exports_check_the_checksums(root: Path, tmp_path: Path, capsys,
     common["extra"]["consumed_samples"] ^= 1
     torch.save(common, ckpt / "common.pt")
     extra = READERS[command]
-    _one_error(capsys, [command, str(ckpt), str(tmp_path / "out"), *extra],
+    refused(capsys, [command, str(ckpt), str(tmp_path / "out"), *extra],
                f"{ckpt / 'common.pt'}: contents changed since the save",
                f"python -m ckpt verify {ckpt}")
     assert not (tmp_path / "out").exists()
@@ -118,7 +106,7 @@ def test_reshape_of_a_damaged_source_says_so_before_starting_its_ranks(
     data = bytearray((ckpt / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (ckpt / "__0_0.distcp").write_bytes(bytes(data))
-    _one_error(capsys, ["reshape", str(ckpt), str(tmp_path / "out"), "--target-tp", "2"],
+    refused(capsys, ["reshape", str(ckpt), str(tmp_path / "out"), "--target-tp", "2"],
                f"{ckpt / '__0_0.distcp'}: contents changed since the save")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
@@ -139,7 +127,7 @@ def test_old_contents_stranded_by_a_kill_between_the_renames_are_named(
     dst = tmp_path / "ckpts"
     for argv in (["inspect", str(dst)], ["verify", str(dst / "iter_0000004")],
                  ["export", str(dst), str(tmp_path / "z"), "--format", "zarr"]):
-        _one_error(capsys, argv, f"{dst} is missing, but {old} holds its old contents",
+        refused(capsys, argv, f"{dst} is missing, but {old} holds its old contents",
                    f"pid {pid}", f"mv {old} {dst}")
     with pytest.raises(UserError, match=f"{old} holds its old contents"):
         open_load(str(dst))

@@ -19,6 +19,7 @@ import ckpt.hf_export
 from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from tests.ckpt import hf_models
+from tests.ckpt.cli import refused
 
 hf_imported = hf_models.hf_imported  # the shared fixture
 
@@ -96,22 +97,13 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=True)
 
 
-def _one_error(capsys: pytest.CaptureFixture, argv: list[str], *words: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    for word in words:
-        assert word in err, err
-
-
 @pytest.mark.parametrize("command", ["export-hf", "reshape"])
 def test_a_dst_under_a_file_is_one_error_line(hf_imported, tmp_path: Path, capsys,
                                              command: str) -> None:
     _, imported = hf_imported("llama", False)
     (tmp_path / "file").write_text("not a directory")
     extra = ["--target-tp", "2"] if command == "reshape" else []
-    _one_error(capsys, [command, str(imported), str(tmp_path / "file" / "sub" / "dst"), *extra],
+    refused(capsys, [command, str(imported), str(tmp_path / "file" / "sub" / "dst"), *extra],
                f"under the file {tmp_path / 'file'}")
 
 
@@ -120,7 +112,7 @@ def test_a_read_only_dst_is_one_error_line(hf_imported, read_only_dir: Path, cap
                                           command: str) -> None:
     _, imported = hf_imported("llama", False)
     extra = ["--target-tp", "2"] if command == "reshape" else []
-    _one_error(capsys, [command, str(imported), str(read_only_dir / "dst"), *extra],
+    refused(capsys, [command, str(imported), str(read_only_dir / "dst"), *extra],
                f"{read_only_dir} is not writable")
     assert not any(read_only_dir.iterdir())
 
@@ -130,6 +122,6 @@ def test_a_shard_size_below_one_byte_is_refused(hf_imported, tmp_path: Path, cap
                                                 size: str) -> None:
     """It wrote one shard per tensor without a word."""
     _, imported = hf_imported("llama", False)
-    _one_error(capsys, ["export-hf", str(imported), str(tmp_path / "out"), "--max-shard-bytes",
+    refused(capsys, ["export-hf", str(imported), str(tmp_path / "out"), "--max-shard-bytes",
                         size], f"--max-shard-bytes {size} must be >= 1")
     assert not (tmp_path / "out").exists()

@@ -19,6 +19,7 @@ import pytest
 
 import ckpt.hf_import
 from ckpt.__main__ import main
+from tests.ckpt.cli import refused
 from tests.ckpt.hf_models import save_hf
 from tests.conftest import run_module
 
@@ -45,13 +46,7 @@ def _edit(path: Path, **changes: object) -> None:
 
 def _refused(capsys: pytest.CaptureFixture, hf: Path, *words: str) -> str:
     """import-hf --dry-run exits 2 with one `error:` line holding `words`."""
-    capsys.readouterr()
-    assert main(["import-hf", str(hf), str(hf.parent / "dst"), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    for word in words:
-        assert word in err, err
-    return err
+    return refused(capsys, ["import-hf", str(hf), str(hf.parent / "dst"), "--dry-run"], *words)
 
 
 def test_the_pristine_copy_imports(hf: Path, capsys: pytest.CaptureFixture) -> None:

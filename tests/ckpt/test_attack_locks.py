@@ -23,6 +23,7 @@ import ckpt.destination
 from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from ckpt.paths import TRACKER
+from tests.ckpt.cli import refused
 from tests.conftest import FAST, held_elsewhere, run_module
 
 
@@ -37,16 +38,6 @@ def _listing(directory: Path) -> list[str]:
                   if p.name != "run.lock")
 
 
-def _refused(capsys: pytest.CaptureFixture, argv: list[str], *words: str) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    for word in words:
-        assert word in err, err
-    return err
-
-
 @pytest.mark.parametrize("command", ["export-hf", "export", "reshape"])
 def test_overwrite_of_a_live_runs_checkpoint_dir_is_refused(root: Path, tmp_path: Path, capsys,
                                                            command: str) -> None:
@@ -55,7 +46,7 @@ def test_overwrite_of_a_live_runs_checkpoint_dir_is_refused(root: Path, tmp_path
     before = _listing(live)
     extra = {"export": ["--format", "zarr"], "reshape": ["--target-tp", "2"]}.get(command, [])
     with held_elsewhere(live) as holder:
-        _refused(capsys, [command, str(root), str(live), "--overwrite", *extra],
+        refused(capsys, [command, str(root), str(live), "--overwrite", *extra],
                  f"{live} is in use by pid {holder.pid} on", "choose another DST")
     assert _listing(live) == before
     assert sorted(p.name for p in live.parent.iterdir()) == ["checkpoints"]  # no .tmp-PID
@@ -66,10 +57,10 @@ def test_a_dst_around_or_inside_a_live_directory_is_refused(root: Path, tmp_path
     live = _live_root(root, tmp_path)
     with held_elsewhere(live) as holder:
         # replacing a directory that holds the live one (its run directory, say)
-        _refused(capsys, ["export-hf", str(root), str(live.parent), "--overwrite"],
+        refused(capsys, ["export-hf", str(root), str(live.parent), "--overwrite"],
                  f"{live}, inside {live.parent}, is in use by pid {holder.pid}")
         # a new DST inside the live root (its next save, or checkpoint.overwrite, removes it)
-        _refused(capsys, ["export-hf", str(root), str(live / "iter_0000100")],
+        refused(capsys, ["export-hf", str(root), str(live / "iter_0000100")],
                  f"lies inside {live}, in use by pid {holder.pid}")
     assert not (live / "iter_0000100").exists()
     assert main(["export-hf", str(root), str(live.parent), "--overwrite"]) == 0  # released

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from models.attention.dca import attention as dca
+from models.attention.dca import dispatch
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.plan import DCAPlan
 from models.attention.dca.scaling import DCAScaling
@@ -280,9 +281,13 @@ def test_documents_within_a_chunk_take_one_causal_call(seq: int, cu: list[int] |
 def test_the_shortcut_is_not_taken_where_dca_is_not_causal(seq: int, local_size: int,
                                                            scaling: str) -> None:
     q, _, _ = make_qkv(1, seq, 2, 2, 8)
-    plan = DCAPlan(q, 16, local_size, 10000.0, 1.0, None,
-                     DCAScaling(kind=scaling, floor_scale=4))
-    assert not plan.causal
+    route = dispatch.route(q, chunk_size=16, local_size=local_size, longest=seq, packed=False,
+                           scaled=DCAScaling(kind=scaling, floor_scale=4).active,
+                           backward="auto", keep_rotated=False, cuda_graphs=False)
+    assert route.path != dispatch.DCAPath.PLAIN_CAUSAL
+    assert dispatch.route(q, chunk_size=16, local_size=4, longest=16, packed=False, scaled=False,
+                          backward="auto", keep_rotated=False,
+                          cuda_graphs=False).path == dispatch.DCAPath.PLAIN_CAUSAL  # the shortcut
 
 
 @pytest.mark.parametrize(("hq", "hk", "cu"), [(2, 2, None), (6, 2, None),

@@ -92,10 +92,29 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_training(
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def _zip_writer_failure(directory: str) -> BaseException:
+    """torch's zip writer on ENOSPC, as `save` raises it in one process."""
+    (Path(directory) / "common.pt").write_bytes(b"PK partial")
+    return RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 704 vs 598")
+
+
+def _checkpoint_writer_failure(directory: str) -> BaseException:
+    """The same failure in one of torch's checkpoint writers: a `CheckpointException`, a
+    BaseException that `except Exception` misses."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    (Path(directory) / "__0_0.distcp").write_bytes(b"PK partial")
+    failure = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . "
+                           "unexpected pos 704 vs 598")
+    return CheckpointException("write", {0: (failure, None)})
+
+
+@pytest.mark.parametrize("failure", [_zip_writer_failure, _checkpoint_writer_failure],
+                         ids=["zip-writer", "checkpoint-exception"])
 def test_a_disk_full_during_a_save_is_named_and_keeps_the_previous_checkpoint(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: a traceback `unexpected pos 704 vs 598` (torch's zip writer on ENOSPC), no word of
-    the disk, and `iter_N.tmp` left behind. The disk fills up during the second save."""
+        failure, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills up during the second save: one line that names the disk (not torch's
+    `unexpected pos 704 vs 598`), no `iter_N.tmp` left, the first save intact."""
     real_save = ckpt.save.dist_checkpointing.save
     saves: list[str] = []
 
@@ -103,9 +122,8 @@ def test_a_disk_full_during_a_save_is_named_and_keeps_the_previous_checkpoint(
         saves.append(directory)
         if len(saves) == 1:
             return real_save(state, directory, **kwargs)
-        (Path(directory) / "common.pt").write_bytes(b"PK partial")
         monkeypatch.setattr(disk, "free_bytes", lambda path: 0)
-        raise RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 704 vs 598")
+        raise failure(directory)
 
     monkeypatch.setattr(ckpt.save.dist_checkpointing, "save", save_until_full)
     root = tmp_path / "checkpoints"
@@ -115,6 +133,7 @@ def test_a_disk_full_during_a_save_is_named_and_keeps_the_previous_checkpoint(
     message = str(raised.value)
     assert "no space left on device (ENOSPC) while saving iter_0000004.tmp" in message
     assert f"the previous checkpoint ({root / 'iter_0000002'}) is intact" in message
+    assert "(RuntimeError: " in message and "\n" not in message  # the writer's own words too
     monkeypatch.undo()
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", TRACKER]
     assert (root / TRACKER).read_text().strip() == "2"
@@ -132,38 +151,6 @@ def test_a_checkpoint_dir_inside_another_runs_directory_is_refused(tmp_path: Pat
         with pytest.raises(RunDirError, match=rf"lies in {tmp_path / 'a'}, a directory in use "
                                               rf"by pid {holder.pid} on"):
             hold_checkpoints(cfg, tmp_path / "b")
-
-
-def test_a_disk_full_reported_by_torchs_checkpoint_exception_is_named(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: torch's save reports a writer's failure as `CheckpointException`, a
-    BaseException that `except Exception` missed: `RuntimeError: Worker failure ... unexpected
-    pos` as a traceback, and `iter_N.tmp` left."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    real_save = ckpt.save.dist_checkpointing.save
-    saves: list[str] = []
-
-    def save_until_full(state, directory, **kwargs):
-        saves.append(directory)
-        if len(saves) == 1:
-            return real_save(state, directory, **kwargs)
-        (Path(directory) / "__0_0.distcp").write_bytes(b"PK partial")
-        monkeypatch.setattr(disk, "free_bytes", lambda path: 0)
-        failure = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . "
-                               "unexpected pos 704 vs 598")
-        raise CheckpointException("write", {0: (failure, None)})
-
-    monkeypatch.setattr(ckpt.save.dist_checkpointing, "save", save_until_full)
-    root = tmp_path / "checkpoints"
-    with pytest.raises(ckpt.save.DiskFullError) as raised:
-        train(compose_config(FAST + ["trainer.max_steps=4", "trainer.save_interval=2",
-                                     f"checkpoint.dir={root}"]), tmp_path)
-    message = str(raised.value)
-    assert "no space left on device (ENOSPC) while saving iter_0000004.tmp" in message
-    assert "(RuntimeError: Worker failure" in message and "\n" not in message
-    monkeypatch.undo()
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", TRACKER]
 
 
 def test_a_second_ctrl_c_during_a_save_removes_the_partial_save(

@@ -61,21 +61,12 @@ def test_a_bad_model_setting_is_one_line_before_anything_is_built(
     assert time.monotonic() - start < 10  # a billion layers hung over 60 s
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-step run's checkpoints root."""
-    run_dir = tmp_path_factory.mktemp("run")
-    train(compose_config(FAST + ["trainer.max_steps=2", "trainer.save_interval=2",
-                                 f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
-    return run_dir / "checkpoints"
-
-
 @pytest.mark.parametrize(("lengths", "message"), [
     ("[10000000]", "eval.lengths=[10000000]: 1 sequence(s) of 10000000 tokens need about"),
     ("[2000000000]", "eval.lengths=[2000000000]: give positive context lengths (at most"),
 ])
 def test_an_evaluation_too_long_for_the_memory_is_refused_before_the_model_loads(
-        checkpoint: Path, lengths: str, message: str, tmp_path: Path,
+        two_step_checkpoints: Path, lengths: str, message: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`eval.lengths=[10000000]` ended in a `can't allocate` traceback in the first forward."""
     import psutil
@@ -88,7 +79,7 @@ def test_an_evaluation_too_long_for_the_memory_is_refused_before_the_model_loads
     monkeypatch.setattr(eval_entry, "load_model", _must_not_run)
     monkeypatch.setattr(trainer.data.datasets, "build_datasets", _must_not_run)
     cfg = compose_config(["logger=none", f"eval.lengths={lengths}", "eval.batch_size=1",
-                          f"checkpoint.load={checkpoint}"])
+                          f"checkpoint.load={two_step_checkpoints}"])
     with pytest.raises(UserError) as info:
         eval_entry.evaluate(cfg, tmp_path)
     assert message in str(info.value) and "\n" not in str(info.value), info.value

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import FAST, compose_config
 from trainer.errors import UserError
-from trainer.train import Trainer, train
+from trainer.train import Trainer
 
 
 def _must_not_run(*args: object, **kwargs: object) -> None:
@@ -54,15 +54,6 @@ def test_the_edges_of_each_range_are_accepted(override: str) -> None:
     validate_train(compose_config(FAST + [override]))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-step run's checkpoints root, so that eval gets as far as it can."""
-    run_dir = tmp_path_factory.mktemp("run")
-    train(compose_config(FAST + ["trainer.max_steps=2", "trainer.save_interval=2",
-                                 f"checkpoint.dir={run_dir / 'checkpoints'}"]), run_dir)
-    return run_dir / "checkpoints"
-
-
 @pytest.mark.parametrize(("override", "key"), [
     ("eval.batch_size=0", "eval.batch_size=0"),
     ("eval.passkey_digits=-3", "eval.passkey_digits=-3"),
@@ -76,12 +67,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("eval.perplexity_windows=0", "eval.perplexity_windows=0"),
 ])
 def test_bad_eval_setting_is_refused_before_the_model_runs(
-        checkpoint: Path, override: str, key: str, tmp_path: Path,
+        two_step_checkpoints: Path, override: str, key: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer import eval as eval_entry
 
-    cfg = compose_config(["logger=none", "eval.lengths=[64]", f"checkpoint.load={checkpoint}",
-                          override])
+    cfg = compose_config(["logger=none", "eval.lengths=[64]",
+                          f"checkpoint.load={two_step_checkpoints}", override])
     monkeypatch.setattr(eval_entry, "load_model", _must_not_run)
     with pytest.raises(UserError) as info:
         eval_entry.evaluate(cfg, tmp_path)

@@ -29,7 +29,6 @@ from models.attention.dca.plan import (
     KERNEL_HEAD_DIMS,
     KernelPaths,
     check_backward,
-    plain_causal,
 )
 
 log = logging.getLogger(__name__)
@@ -84,6 +83,14 @@ def kernel_refusal(q: torch.Tensor, length: int, packed: bool) -> str | None:
     if q.shape[-1] not in KERNEL_HEAD_DIMS:
         return f"head dim not one of {KERNEL_HEAD_DIMS}"
     return None
+
+
+def plain_causal(longest: int, chunk_size: int, local_size: int, scaled: bool) -> bool:
+    """Whether DCA over documents of at most `longest` tokens is causal attention under RoPE
+    at their own positions: no logit scaling, and at most C tokens and 2L (no inter part).
+    Chunk 1's offsets r < w then put its successive query at r + L = p, unclamped, so every
+    relative distance is the true one."""
+    return not scaled and longest <= min(chunk_size, 2 * (chunk_size - local_size))
 
 
 def route(q: torch.Tensor, *, chunk_size: int, local_size: int, longest: int, packed: bool,

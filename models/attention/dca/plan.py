@@ -34,14 +34,6 @@ KERNEL_BLOCK = 128
 KERNEL_HEAD_DIMS = (64, 96, 128)
 
 
-def plain_causal(longest: int, chunk_size: int, local_size: int, scaled: bool) -> bool:
-    """Whether DCA over documents of at most `longest` tokens is causal attention under RoPE
-    at their own positions: no logit scaling, and at most C tokens and 2L (no inter part).
-    Chunk 1's offsets r < w then put its successive query at r + L = p, unclamped, so every
-    relative distance is the true one."""
-    return not scaled and longest <= min(chunk_size, 2 * (chunk_size - local_size))
-
-
 class KernelPaths(NamedTuple):
     """How one DCA call runs, chosen by dispatch.route: through DCA's own FA4 kernels
     (fa4_forward.py, fa4_backward.py) or the part calls, the backward kernel over all heads
@@ -81,8 +73,6 @@ class DCAPlan:
         self.q_scale = query_factors(scaling, chunk_size, seq,
                                      None if bounds is None else tuple(bounds), self.num_parts,
                                      table_dtype, q.device)
-        longest = max(n for _, _, n in self.docs)
-        self.causal = plain_causal(longest, chunk_size, local_size, self.q_scale is not None)
         # DCA's kernels read a query block's successive tiles from the inter copy where the two
         # are the same rotation: with the inter position min(2L - 1, C) equal to C, every row
         # past a chunk's first w has its successive position r + L clamped to C too. So only
