@@ -188,7 +188,9 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from models.attention.registry import dca_scaling
     from parallel.distributed import initialize_parallel, shutdown
     from trainer.data.datasets import build_datasets
-    from trainer.eval_fit import check_memory, fitting_lengths
+    from trainer.engine.budget import check_cache
+    from trainer.eval_fit import fitting_lengths, perplexity_rows
+    from trainer.evals.decoding import ANSWER_TOKENS, Greedy
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.evals.retrieval import multikey_accuracy
     from trainer.init_from import open_load
@@ -210,9 +212,12 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     check_model(model_cfg, cfg.attention, cfg.parallel)
     data = checkpoint_data(cfg, meta)
     device, bf16 = placement(cfg.trainer.device, cfg.trainer.precision)
-    if cfg.eval.suite == "passkey":  # the RULER suite decodes on the engine (its cache checked)
-        check_memory(model_cfg, ckpt.tensors[MODEL_WEIGHT].shape[0], cfg.eval, cfg.parallel.tp,
-                     bf16, device)
+    if cfg.eval.suite == "passkey":  # the RULER suite checks its own cache
+        ppl_rows = perplexity_rows(model_cfg, ckpt.tensors[MODEL_WEIGHT].shape[0], cfg.eval,
+                                   cfg.parallel.tp, bf16, device)
+        check_cache(model_cfg, cfg.eval.batch_size, max(cfg.eval.lengths) + ANSWER_TOKENS,
+                    cfg.eval.batch_size, bf16, cfg.decode.max_cache_gb, device,
+                    "lower eval.batch_size or eval.lengths")
     label = cfg.attention.kind
     if label == "dca" and cfg.attention.dca_scaling != "none":
         # the label carries every scaling constant (defaults or not)
@@ -244,17 +249,21 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                                   summary, run_dir, device, bf16, topo.is_main)
         model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
         fit = fitting_lengths(tokenizer, valid.stream, e)
+        greedy = Greedy(model, tokenizer.vocab_size, device, e.batch_size)
+        greedy.reserve(max(fit["passkey"] + fit["multikey"], default=0) + ANSWER_TOKENS)
         cells = passkey_accuracy(model, tokenizer, fit["passkey"], list(e.depths),
-                                 e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device)
+                                 e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device,
+                                 greedy)
         multikey = multikey_accuracy(model, tokenizer, valid.stream, fit["multikey"],
                                      list(e.depths), e.multikey_trials, e.multikey_keys,
-                                     e.passkey_digits, e.batch_size, e.seed, device) \
+                                     e.passkey_digits, e.batch_size, e.seed, device, greedy) \
             if e.multikey_trials > 0 else []
+        greedy.release()  # the cache's memory goes to the perplexity's logits
         # over the model's whole vocabulary (its config's, padding rows excluded), as
         # transformers computes a loss: the tokenizer may name fewer ids than the model has
         vocab = meta.vocab_size
         points = perplexity_by_length(model, valid.stream, fit["perplexity"],
-                                      e.perplexity_windows, e.batch_size, vocab, device,
+                                      e.perplexity_windows, ppl_rows, vocab, device,
                                       trained_length) if fit["perplexity"] else []
         attention = attention_by_distance(model, valid.stream, fit["perplexity"],
                                           e.attention_queries, vocab, device,

@@ -62,12 +62,13 @@ def _window(stream, length: int) -> None:
 GB = 1 << 30
 
 
-def check_memory(model, vocab_rows: int, e: DictConfig, tp: int, bf16: bool, device) -> None:
-    """UserError when the longest of `e.lengths` cannot fit, before the checkpoint's model is
-    loaded: the perplexity computes the logits [batch, length, vocabulary] whole (the model's,
-    a float copy, the log-softmax), beside the
-    prefill's largest activations and the weights, against the device's memory (a GPU's total,
-    the RAM available on the CPU), rather than `can't allocate` deep inside the first forward."""
+def perplexity_rows(model, vocab_rows: int, e: DictConfig, tp: int, bf16: bool, device) -> int:
+    """How many windows of the longest of `e.lengths` the perplexity forwards together: up to
+    `e.batch_size`, as many as fit in the device's memory (a GPU's total, the RAM available on
+    the CPU), counting the logits [rows, length, vocabulary] whole (the model's, a float copy,
+    the log-softmax), the prefill's largest activations and the weights. A UserError, before the
+    checkpoint's model is loaded, when not even one fits: one line rather than `can't allocate`
+    deep inside the first forward."""
     import psutil
     import torch
 
@@ -75,8 +76,6 @@ def check_memory(model, vocab_rows: int, e: DictConfig, tp: int, bf16: bool, dev
     from models.schema import head_dim_of
 
     length = max(e.lengths)
-    rows = max(1, min(e.batch_size, max(e.passkey_trials, e.perplexity_windows,
-                                        e.multikey_trials)))
     itemsize = 2 if bf16 else 4
     h, heads = model.hidden_size, model.num_attention_heads
     qkv = (heads + 2 * (model.num_query_groups or heads)) * head_dim_of(model)
@@ -84,17 +83,24 @@ def check_memory(model, vocab_rows: int, e: DictConfig, tp: int, bf16: bool, dev
     layer = h * qkv + heads * head_dim_of(model) * h + h * ffn + ffn_hidden_size(model) * h
     params = model.num_layers * layer + vocab_rows * h * (2 if model.untie_embeddings else 1)
     weights = params * itemsize // tp
-    logits = rows * length * vocab_rows * (itemsize + 8)
+    logits = length * vocab_rows * (itemsize + 8)  # one row's
     # the residual stream and its norm, q/k/v, the MLP's first projection and its activation
-    prefill = rows * length * (4 * h + qkv + ffn + ffn_hidden_size(model)) * itemsize
-    need = weights + logits + prefill
+    prefill = length * (4 * h + qkv + ffn + ffn_hidden_size(model)) * itemsize
     if device.type == "cuda":
         limit, where = torch.cuda.get_device_properties(device).total_memory, "the GPU holds"
     else:
         limit, where = psutil.virtual_memory().available, "of RAM available"
-    if need > limit:
+    wanted = max(1, min(e.batch_size, e.perplexity_windows))
+    rows = min(wanted, (limit - weights) // (logits + prefill))
+    if rows < 1:
+        need = weights + logits + prefill
         raise UserError(
-            f"eval.lengths={list(e.lengths)}: {rows} sequence(s) of {length} tokens need about "
-            f"{need / GB:.1f} GB (logits [{rows}, {length}, {vocab_rows}]: {logits / GB:.1f} GB, "
+            f"eval.lengths={list(e.lengths)}: one sequence of {length} tokens needs about "
+            f"{need / GB:.1f} GB (logits [1, {length}, {vocab_rows}]: {logits / GB:.1f} GB, "
             f"the prefill's activations {prefill / GB:.1f} GB, the weights {weights / GB:.1f} "
-            f"GB), over the {limit / GB:.1f} GB {where}: lower eval.lengths or eval.batch_size")
+            f"GB), over the {limit / GB:.1f} GB {where}: lower eval.lengths")
+    if rows < wanted:
+        log.info("eval: the perplexity at %d tokens forwards %d window(s) at a time (of "
+                 "eval.batch_size %d) to fit the %.1f GB %s", length, rows, e.batch_size,
+                 limit / GB, where)
+    return int(rows)

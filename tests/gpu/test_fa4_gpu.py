@@ -334,6 +334,10 @@ def test_head_dims_fa4_leaves_run_on_cudnn(head_dim: int, fa4_counted: dict[str,
     _check(_errors(causal_attention, causal_mask(q.shape[1]), q, k, v, dout))
     _check(_dca_errors(q, k, v, dout, 512, 128))
     assert fa4_counted == {"fwd": 0, "bwd": 0}
+    # the fallback is the point here: recorded with its reason, then cleared for the fixture
+    assert {(a, b) for a, b, _ in lse_attention.FALLBACKS} == {("fa4", "cudnn")}
+    assert all(f"head dim {head_dim}" in why for _, _, why in lse_attention.FALLBACKS)
+    lse_attention.FALLBACKS.clear()
 
 
 @pytest.mark.parametrize("head_dim", dq_parts.KERNEL_HEAD_DIMS)

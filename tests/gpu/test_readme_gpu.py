@@ -53,5 +53,6 @@ def test_readme_gpu_command_runs(command: str, tmp_path: Path) -> None:
         words = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:]]
     words += ["logger=none", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(words, cwd=tmp_path, capture_output=True, text=True, timeout=1800,
-                          env=os.environ | {"PYTHONPATH": str(REPO)})
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(
+                              [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

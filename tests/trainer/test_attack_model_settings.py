@@ -62,7 +62,7 @@ def test_a_bad_model_setting_is_one_line_before_anything_is_built(
 
 
 @pytest.mark.parametrize(("lengths", "message"), [
-    ("[10000000]", "eval.lengths=[10000000]: 1 sequence(s) of 10000000 tokens need about"),
+    ("[10000000]", "eval.lengths=[10000000]: one sequence of 10000000 tokens needs about"),
     ("[2000000000]", "eval.lengths=[2000000000]: give positive context lengths (at most"),
 ])
 def test_an_evaluation_too_long_for_the_memory_is_refused_before_the_model_loads(
@@ -83,9 +83,36 @@ def test_an_evaluation_too_long_for_the_memory_is_refused_before_the_model_loads
     with pytest.raises(UserError) as info:
         eval_entry.evaluate(cfg, tmp_path)
     assert message in str(info.value) and "\n" not in str(info.value), info.value
-    if "need about" in message:
-        assert "logits [1, 10000000, 384]" in str(info.value) and "eval.batch_size" in str(
+    if "needs about" in message:
+        assert "logits [1, 10000000, 384]" in str(info.value) and "eval.lengths" in str(
             info.value)
+
+
+def test_a_batch_too_large_for_the_memory_forwards_fewer_windows(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """eval.batch_size is honoured as far as memory allows: the perplexity forwards as many
+    windows as fit, said in one line, instead of refusing the evaluation."""
+    import logging
+
+    import psutil
+    import torch
+    from omegaconf import OmegaConf
+
+    from models.schema import ModelConfig
+    from trainer.eval_fit import perplexity_rows
+
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    e = OmegaConf.create({"lengths": [4096], "batch_size": 16, "perplexity_windows": 8})
+    one_row = 4096 * 256 * 12  # logits of one window, fp32 + the float copy and log-softmax
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: type("VM", (), {"available": 3 * one_row + (4 << 20)}))
+    with caplog.at_level(logging.INFO, logger="trainer.eval_fit"):
+        rows = perplexity_rows(model, 256, e, 1, False, torch.device("cpu"))
+    assert 1 <= rows < 8, rows  # fewer than the 8 windows asked for, at least one
+    assert "forwards" in caplog.text and "eval.batch_size 16" in caplog.text
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: type("VM", (), {"available": 1 << 40}))
+    assert perplexity_rows(model, 256, e, 1, False, torch.device("cpu")) == 8
 
 
 @pytest.mark.parametrize("text", ['{"model": {"type": "nonsense"}}', "{", "[1, 2]", "\xff"],

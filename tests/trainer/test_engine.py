@@ -106,6 +106,21 @@ def test_the_cache_at_its_bucket_edges(single_process) -> None:
     assert one_more == recomputed(model, edge, one_more) and filled == one_more[:4]
 
 
+def test_a_reserved_cache_serves_smaller_batches_and_shorter_prompts(single_process) -> None:
+    """One cache (and on a GPU one captured step) for an evaluation: after `reserve`, smaller
+    batches and shorter prompts decode in it, spare rows and all, with the tokens a fresh
+    engine of their own size gives."""
+    model = model_of("dca-qwen2")
+    engine = DecodeEngine(model, VOCAB, EngineOptions(max_batch=4))
+    engine.reserve(4, 2 * LENGTH_MULTIPLE)
+    cache = engine.cache
+    for batch in (prompts(4, seed=2), prompts(3, seed=3), prompts(1, seed=4)):
+        out = engine.generate(batch, 5)
+        assert engine.cache is cache
+        assert out == DecodeEngine(model, VOCAB, EngineOptions(max_batch=len(batch))).generate(
+            batch, 5)
+
+
 def test_stop_tokens_and_budgets_per_prompt(single_process) -> None:
     model = model_of("standard")
     batch = prompts(3)

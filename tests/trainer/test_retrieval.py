@@ -73,7 +73,7 @@ def test_cells_depend_only_on_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[list[int]]] = [[], []]
 
     def record(which: int):
-        def grade(self, tokenizer, prompts, candidates, steps):
+        def grade(self, tokenizer, prompts, candidates, steps, progress=None):
             seen[which] += prompts
             return [[False] * len(c) for c in candidates]
         return grade

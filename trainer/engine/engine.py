@@ -96,6 +96,11 @@ class DecodeEngine:
         bar.close()
         return outputs
 
+    def reserve(self, batch: int, length: int) -> None:
+        """Allocate the cache (and so capture the graph once) for the largest batch and length
+        that follow: later, smaller batches and shorter prompts decode in it."""
+        self._ensure_cache(batch, length)
+
     def release(self) -> None:
         """Free the cache and the captured graph."""
         self.cache = self.graph = self.tokens = self.logits = None
@@ -130,11 +135,12 @@ class DecodeEngine:
 
     def _ensure_cache(self, batch: int, length: int) -> None:
         """A cache of at least `batch` rows (a power of two, at most max_batch) and `length`
-        positions (rounded up to LENGTH_MULTIPLE); reused while it fits."""
+        positions (rounded up to LENGTH_MULTIPLE); reused while it fits, also by a smaller batch
+        (its step computes the spare rows too, which costs less than a new cache and graph)."""
         rows = min(self.options.max_batch, 1 << (batch - 1).bit_length())
         length = bucket(length, LENGTH_MULTIPLE)
         c = self.cache
-        if c is not None and c.batch == rows and c.length >= length:
+        if c is not None and c.batch >= rows and c.length >= length:
             return
         self.release()
         if self.device.type == "cuda":

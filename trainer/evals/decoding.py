@@ -17,6 +17,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 REPLACEMENT = "\ufffd"  # what decoding an unfinished UTF-8 character gives
+# new tokens a retrieval answer may take at most (a key's or value's characters, and spare)
+ANSWER_TOKENS = 64
 
 
 def logits_of(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -51,36 +53,52 @@ def _engine_model(model: object) -> bool:
 
 
 class Greedy:
-    """Greedy continuations of prompts, `batch_size` at a time, one engine per evaluation."""
+    """Greedy continuations of prompts, `batch_size` at a time, one engine per evaluation (the
+    passkey and multi-key tasks share it, and so its cache and its captured decode step)."""
 
     def __init__(self, model, vocab_size: int, device: torch.device, batch_size: int) -> None:
         from trainer.engine import DecodeEngine, EngineOptions
 
         self.model, self.vocab_size, self.device = model, vocab_size, device
+        self.batch_size = batch_size
         self.engine = (DecodeEngine(model, vocab_size, EngineOptions(max_batch=batch_size))
                        if _engine_model(model) else None)
 
-    @torch.no_grad()
-    def continuations(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
-        """Greedy's first `steps` tokens after each prompt."""
+    def reserve(self, length: int) -> None:
+        """Size the engine's cache once for prompts and continuations of up to `length` tokens."""
         if self.engine is not None:
-            return self.engine.generate(prompts, steps)
+            self.engine.reserve(self.batch_size, length)
+
+    @torch.no_grad()
+    def continuations(self, prompts: list[list[int]], steps: int | list[int],
+                      progress: str | None = None) -> list[list[int]]:
+        """Greedy's first `steps` tokens after each prompt (one count, or one per prompt)."""
+        budgets = [steps] * len(prompts) if isinstance(steps, int) else list(steps)
+        if self.engine is not None:
+            return self.engine.generate(prompts, budgets, progress=progress)
         out: list[list[int]] = [[] for _ in prompts]
-        groups: dict[int, list[int]] = defaultdict(list)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, row in enumerate(prompts):
-            groups[len(row)].append(i)
-        for index in groups.values():  # equal-length rows, unpadded, as greedy decoding's own
-            tokens = torch.tensor([prompts[i] for i in index], device=self.device)
-            for _ in range(steps):
-                nxt = logits_of(self.model, tokens, self.vocab_size)[:, -1].argmax(-1)
-                tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            for i, row in zip(index, tokens[:, -steps:].tolist()):
-                out[i] = row
+            groups[len(row), budgets[i]].append(i)
+        for (_, n), index in groups.items():  # equal-length rows, unpadded, as greedy's own
+            for start in range(0, len(index), self.batch_size):
+                rows = index[start:start + self.batch_size]
+                tokens = torch.tensor([prompts[i] for i in rows], device=self.device)
+                for _ in range(n):
+                    nxt = logits_of(self.model, tokens, self.vocab_size)[:, -1].argmax(-1)
+                    tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+                for i, row in zip(rows, tokens[:, -n:].tolist()):
+                    out[i] = row
         return out
 
+    def release(self) -> None:
+        """Free the engine's cache and captured graph."""
+        if self.engine is not None:
+            self.engine.release()
+
     def starts_with(self, tokenizer, prompts: list[list[int]], candidates: list[list[str]],
-                    steps: int) -> list[list[bool]]:
+                    steps: int | list[int], progress: str | None = None) -> list[list[bool]]:
         """For each prompt i: [the text of greedy's `steps` tokens starts with c, for c in
         candidates[i]]."""
-        texts = [tokenizer.decode(t) for t in self.continuations(prompts, steps)]
+        texts = [tokenizer.decode(t) for t in self.continuations(prompts, steps, progress)]
         return [[text.startswith(c) for c in cands] for text, cands in zip(texts, candidates)]

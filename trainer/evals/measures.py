@@ -31,27 +31,25 @@ def bucket_edges(length: int, trained_length: int | None) -> list[int]:
 @torch.no_grad()
 def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], depths: list[float],
                      trials: int, digits: int, batch_size: int, seed: int,
-                     device: torch.device) -> list[PasskeyCell]:
+                     device: torch.device, greedy: Greedy | None = None) -> list[PasskeyCell]:
     """Accuracy per (length, depth): a trial passes when the greedy continuation's text starts
     with the key's (compared as text: a subword tokenizer's key may take a different number of
     tokens from trial to trial, or be produced with another split of the same digits, up to one
-    token per digit; the budget does not depend on the batch). Decoded on the engine
-    (`trainer.evals.decoding`)."""
+    token per digit, so each prompt gets as many tokens as its answer has characters). Every
+    depth's trials of a length decode together on the engine (`trainer.evals.decoding`)."""
     rng = np.random.default_rng(seed)
-    greedy = Greedy(model, tokenizer.vocab_size, device, batch_size)
+    greedy = greedy or Greedy(model, tokenizer.vocab_size, device, batch_size)
     cells = []
-    grid = [(length, depth) for length in lengths for depth in depths]
-    for length, depth in tqdm(grid, desc="passkey", leave=False):
-        correct = 0
-        for start in range(0, trials, batch_size):
-            keys = [random_key(rng, digits) for _ in range(min(batch_size, trials - start))]
-            pairs = [passkey_prompt(tokenizer, length, depth, key) for key in keys]
-            # as many tokens as the answer has characters: every split of it fits
-            steps = max(len(answer_text(key)) for key in keys)
-            verdicts = greedy.starts_with(tokenizer, [p for p, _ in pairs],
-                                          [[tokenizer.decode(a)] for _, a in pairs], steps)
-            correct += sum(v[0] for v in verdicts)
-        cells.append(PasskeyCell(length, depth, correct, trials))
+    for length in lengths:
+        keys = [[random_key(rng, digits) for _ in range(trials)] for _ in depths]
+        pairs = [passkey_prompt(tokenizer, length, depth, key)
+                 for depth, row in zip(depths, keys) for key in row]
+        verdicts = greedy.starts_with(
+            tokenizer, [p for p, _ in pairs], [[tokenizer.decode(a)] for _, a in pairs],
+            [len(answer_text(key)) for row in keys for key in row], progress=f"passkey {length}")
+        for j, depth in enumerate(depths):
+            correct = sum(v[0] for v in verdicts[j * trials:(j + 1) * trials])
+            cells.append(PasskeyCell(length, depth, correct, trials))
     return cells
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from trainer.errors import UserError
 from trainer.evals.decoding import Greedy
@@ -113,24 +112,24 @@ def place_needles(tokenizer, length: int, depth: float, keys: int, digits: int,
 @torch.no_grad()
 def multikey_accuracy(model: torch.nn.Module, tokenizer, stream, lengths: list[int],
                       depths: list[float], trials: int, keys: int, digits: int, batch_size: int,
-                      seed: int, device: torch.device) -> list[MultiKeyCell]:
+                      seed: int, device: torch.device,
+                      greedy: Greedy | None = None) -> list[MultiKeyCell]:
     """Correct and distractor answers per (length, depth) cell: greedy decoding's text starts
-    with the asked value, or with a distractor's (`trainer.evals.decoding`: on the engine)."""
-    greedy = Greedy(model, tokenizer.vocab_size, device, batch_size)
+    with the asked value, or with a distractor's (`trainer.evals.decoding`: every depth's trials
+    of a length decode together on the engine)."""
+    greedy = greedy or Greedy(model, tokenizer.vocab_size, device, batch_size)
     cells = []
-    grid = [(length, j, depth) for length in lengths for j, depth in enumerate(depths)]
-    for length, j, depth in tqdm(grid, desc="multikey", leave=False):
+    for length in lengths:
         built = [multikey_prompt(tokenizer, stream, length, depth, keys, digits,
                                  np.random.default_rng((seed, 0x4E1D, length, j, t)))
-                 for t in range(trials)]
-        correct = distractor = 0
-        for start in range(0, trials, batch_size):
-            batch = built[start:start + batch_size]
-            answers = [[answer_text(v) for v in t.values] for t in batch]
-            steps = max(len(a) for row in answers for a in row)  # one token per character fits
-            verdicts = greedy.starts_with(tokenizer, [t.prompt for t in batch], answers, steps)
-            for asked, *others in verdicts:
-                correct += asked
-                distractor += any(others)
-        cells.append(MultiKeyCell(length, depth, correct, distractor, trials, keys))
+                 for j, depth in enumerate(depths) for t in range(trials)]
+        answers = [[answer_text(v) for v in t.values] for t in built]
+        # one token per character of the longest value fits every value
+        verdicts = greedy.starts_with(tokenizer, [t.prompt for t in built], answers,
+                                      [max(len(a) for a in row) for row in answers],
+                                      progress=f"multikey {length}")
+        for j, depth in enumerate(depths):
+            cell = verdicts[j * trials:(j + 1) * trials]
+            cells.append(MultiKeyCell(length, depth, sum(asked for asked, *_ in cell),
+                                      sum(any(others) for _, *others in cell), trials, keys))
     return cells
