@@ -117,6 +117,7 @@ def summarize(rows: list[dict[str, Any]], warmup: int, profiled: bool) -> dict[s
         "memory_gb": max(r["memory_gb"] for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
+        "losses": [r["loss"] for r in rows],  # every step's: layouts compare their first
         "timed_steps": len(timed),
         "kernel": rows[0].get("attention_kernel", "?"),  # trainer.attention_kernel, resolved
     }
@@ -187,7 +188,7 @@ def profile_step(step: int, sink: list[dict[str, Any]], trace: Path | None = Non
                  ) -> Iterator[None]:
     """Profile Trainer.train_step's call number `step` (1-based) of the runs inside; with
     `trace`, also save its Chrome trace there (gzipped, operator shapes recorded: Perfetto
-    opens it)."""
+    opens it) and its summary beside it (`summary_path`), every rank its own."""
     original = Trainer.train_step
 
     def wrapped(self: Trainer) -> tuple[float, float]:
@@ -203,6 +204,7 @@ def profile_step(step: int, sink: list[dict[str, Any]], trace: Path | None = Non
         sink.append(profile_summary(prof, (time.perf_counter() - start) * 1e3))
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
+            summary_path(trace).write_text(json.dumps({"rank": RANK, **sink[-1]}, indent=1))
             prof.export_chrome_trace(str(trace.with_suffix("")))
             with open(trace.with_suffix(""), "rb") as raw, gzip.open(trace, "wb") as packed:
                 shutil.copyfileobj(raw, packed)
@@ -217,13 +219,21 @@ def profile_step(step: int, sink: list[dict[str, Any]], trace: Path | None = Non
 
 
 def trace_path(folder: Path | None, case: dict[str, Any]) -> Path | None:
-    """Where a case's profiled step's trace goes (--trace), or None."""
+    """Where a case's profiled step's trace goes (--trace), or None; under torchrun each rank
+    writes its own (`_rank<r>`)."""
     if folder is None:
         return None
     parts = [case["model"], case["attention"], str(case["seq"])]
     if case["variant"] != "-":
         parts.append(case["variant"])
+    if WORLD > 1:
+        parts.append(f"rank{RANK}")
     return folder / ("_".join(parts) + ".json.gz")
+
+
+def summary_path(trace: Path) -> Path:
+    """The profile summary (profile_summary's dict and the rank) written beside a trace."""
+    return trace.with_name(trace.name.removesuffix(".json.gz") + ".summary.json")
 
 
 def print_profile(case: dict[str, Any]) -> None:
@@ -272,7 +282,8 @@ def main() -> None:
                              "or of the cases the KEYs match")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="save each profiled step's Chrome trace (with operator shapes) "
-                             "into DIR as MODEL_ATTENTION_SEQ[_VARIANT].json.gz")
+                             "into DIR as MODEL_ATTENTION_SEQ[_VARIANT][_rankR].json.gz, and "
+                             "its summary as ...summary.json (every rank under torchrun)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     register_configs()

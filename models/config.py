@@ -24,6 +24,9 @@ class LongContextConfig(TransformerConfig):
     (models.options.BuildOptions), not part of `attention`, what the model is.
     recompute_keep_attention: under full recompute, each core attention keeps its output and LSE
     from the first forward instead of running again (models/recompute.py).
+    cp_overlap: under context parallelism, the K/V exchange runs behind the attention's compute
+    (False: each exchange is waited for before computing; models/attention/context_parallel.py).
+    A run setting (`parallel.cp_overlap`), like the ones above.
     """
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -34,6 +37,7 @@ class LongContextConfig(TransformerConfig):
     dca_keep_rotated: bool = False
     recompute_keep_attention: bool = False  # full recompute keeps core-attention results
     fused_rmsnorm: bool = False  # the layers' RMSNorms as one Triton pass (models/fused_rmsnorm.py)
+    cp_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.attention.head_wise_attn_gate:
@@ -46,6 +50,10 @@ class LongContextConfig(TransformerConfig):
                              f"{self.dca_backward!r}")
         if self.fused_rmsnorm and self.normalization != "RMSNorm":
             raise ValueError(f"fused_rmsnorm needs normalization RMSNorm, not {self.normalization}")
+        if self.sequence_parallel and not self.fused_rmsnorm:
+            # megatron's torch norms (the local layer spec's) assert the same, deep in the build
+            raise ValueError("sequence_parallel needs fused_rmsnorm (an RMSNorm model): the "
+                             "torch norms do not sum their weight gradients over the TP ranks")
         if self.recompute_keep_attention and self.recompute_granularity != "full":
             raise ValueError("recompute_keep_attention applies to full recompute only "
                              f"(recompute_granularity is {self.recompute_granularity!r})")

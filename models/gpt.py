@@ -183,6 +183,7 @@ def transformer_config(model: ModelConfig, attention: AttentionConfig,
         # The dtype of the activations sent between stages (megatron asks for it under PP).
         pipeline_dtype=(torch.bfloat16 if o.bf16 else torch.float32) if pp > 1 else None,
         sequence_parallel=parallel.sequence_parallel,
+        cp_overlap=parallel.cp_overlap,
         bf16=o.bf16,
         params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
         use_cpu_initialization=not o.on_gpu,

@@ -121,5 +121,11 @@ class ParallelConfig:
     cp: int = 1
     pp: int = 1  # pipeline stages (megatron's 1F1B schedule)
     vpp: int | None = None  # model chunks per stage (interleaved 1F1B); None or 1: no interleaving
+    # TP > 1: the norms and residual adds on 1/tp of the tokens per rank (megatron's); needs
+    # trainer.fused_norm=true, whose RMSNorm sums its weight gradients over the TP ranks
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    # CP: exchange K/V (and send dK/dV back) while the attention computes; false: wait for each
+    # exchange before computing (to measure what the overlap hides). How a run runs, not what the
+    # model is: a checkpoint's layout leaves it out
+    cp_overlap: bool = True

@@ -98,24 +98,52 @@ def shutdown() -> None:
 
 
 def wrap_model(model: MegatronModule, *, distributed_optimizer: bool,
-               disable_bucketing: bool = False) -> DistributedDataParallel:
-    """bf16 cast (megatron's Float16Module) when configured, then megatron's DDP with fp32 grads."""
+               disable_bucketing: bool = False, overlap_grad_reduce: bool = False,
+               overlap_param_gather: bool = False,
+               bucket_size: int | None = None) -> DistributedDataParallel:
+    """bf16 cast (megatron's Float16Module) when configured, then megatron's DDP with fp32 grads.
+
+    `overlap_grad_reduce`: each bucket of `bucket_size` parameters (None: megatron's default)
+    starts its all-reduce (reduce-scatter with the distributed optimizer) from a backward hook
+    as soon as its gradients are complete; `finalize_model_grads` waits for them.
+    `overlap_param_gather` (distributed optimizer only): the updated parameter shards are
+    gathered bucket by bucket from forward pre-hooks instead of after the optimizer step.
+    """
     if model.config.bf16:
         model = Float16Module(model.config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=distributed_optimizer,
+        bucket_size=bucket_size,
     )
     return DistributedDataParallel(model.config, ddp_config, model,
                                    disable_bucketing=disable_bucketing)
 
 
-def wrap_chunks(chunks: list[MegatronModule], *,
-                distributed_optimizer: bool) -> list[DistributedDataParallel]:
-    """`wrap_model` for each pipeline chunk of this rank (megatron buckets only the first)."""
+def wrap_chunks(chunks: list[MegatronModule], *, distributed_optimizer: bool,
+                overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                bucket_size: int | None = None) -> list[DistributedDataParallel]:
+    """`wrap_model` for each pipeline chunk of this rank (megatron buckets only the first). The
+    overlaps apply only where there is something to reduce: more than one data-parallel (x CP)
+    rank."""
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        overlap_grad_reduce = overlap_param_gather = False
     return [wrap_model(chunk, distributed_optimizer=distributed_optimizer,
-                       disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+                       disable_bucketing=i > 0, overlap_grad_reduce=overlap_grad_reduce,
+                       overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+            for i, chunk in enumerate(chunks)]
+
+
+def gather_params(chunks: list[DistributedDataParallel]) -> None:
+    """Under `overlap_param_gather` the distributed optimizer's updated shards reach the other
+    data-parallel ranks only in the next training forward (megatron's pre-hooks): gather them
+    now, before the weights are read otherwise (evaluation, decoding, a checkpoint), as
+    megatron's training loop does."""
+    for chunk in chunks:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def unwrap_model(model: torch.nn.Module) -> MegatronModule:

@@ -147,6 +147,17 @@ class TrainerConfig:
     # backward instead of rotating them again (activation memory for speed: 3 copies of q and
     # one of k per layer; nothing is kept inside recomputed layers)
     dca_keep_rotated: bool = False
+    # data parallelism (data-parallel x CP ranks > 1): megatron's DDP starts each gradient
+    # bucket's all-reduce (reduce-scatter with parallel.distributed_optimizer) during the
+    # backward, once the bucket's gradients are complete (false: all of them after it)
+    overlap_grad_reduce: bool = True
+    # parallel.distributed_optimizer with overlap_grad_reduce: each bucket's updated parameters
+    # are gathered during the next forward, before the first layer that uses them (false: all of
+    # them right after the optimizer step)
+    overlap_param_gather: bool = False
+    # parameters per DDP bucket with overlap_grad_reduce; None: megatron's default,
+    # max(40M, 1M x data-parallel size)
+    ddp_bucket_size: int | None = None
 
 
 @dataclass

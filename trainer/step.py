@@ -5,7 +5,8 @@ PP>1, interleaved 1F1B with virtual stages. Each model chunk reads the step's mi
 order (every pipeline stage of a DP rank reads the same ones: the first stage needs the tokens,
 the last the labels); the loss lives on the last stage and is broadcast to the others, so it is
 reported once. megatron's `finalize_model_grads` ends the backward pass: the data-parallel grad
-sync, the tied embedding's grads summed over the first and last stage, sequence-parallel norms.
+sync (waited for, when its buckets started during the backward: `trainer.overlap_grad_reduce`),
+the tied embedding's grads summed over the first and last stage, sequence-parallel norms.
 """
 
 from __future__ import annotations
@@ -64,12 +65,29 @@ def _forward_step(device: torch.device, scale: int, data: Iterator[Batch],
     return output, functools.partial(_loss, mask, count, scale)
 
 
+def _overlap_hooks(config: Any, chunks: list[torch.nn.Module]) -> None:
+    """What megatron's training loop hands its schedules when DDP overlaps the gradient
+    reduction with the backward: the micro-batches before the last run under each chunk's
+    `no_sync` (a bucket starts its reduction from the last one's backward, once), and the
+    pipeline schedules start a chunk's remaining reductions (`start_grad_sync`) once its
+    backward is done."""
+    ddp_config = getattr(chunks[0], "ddp_config", None)
+    if ddp_config is None or not ddp_config.overlap_grad_reduce:
+        config.no_sync_func = config.grad_sync_func = None
+        return
+    no_sync = [chunk.no_sync for chunk in chunks]
+    grad_sync = [chunk.start_grad_sync for chunk in chunks]
+    config.no_sync_func = no_sync if len(chunks) > 1 else no_sync[0]
+    config.grad_sync_func = grad_sync if len(chunks) > 1 else grad_sync[0]
+
+
 def _run_schedule(chunks: list[torch.nn.Module], batches: list[Batch], seq_length: int,
                   device: torch.device, *, forward_only: bool, scale: int) -> torch.Tensor:
     """The schedule over `batches`; returns the sum of the reported losses on every rank of the
     pipeline (each rank's share under CP: the caller averages over the dp x cp ranks)."""
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
+    _overlap_hooks(config, chunks)
     data = [iter(batches) for _ in chunks]  # every chunk reads the same micro-batches in order
     outputs = get_forward_backward_func()(
         forward_step_func=functools.partial(_forward_step, device, scale),

@@ -24,6 +24,7 @@ from models.flops import peak_tflops, training_flops_per_sequence
 from models.gpt import build_model
 from parallel.distributed import (
     Topology,
+    gather_params,
     init_process_group,
     initialize_parallel,
     shutdown,
@@ -31,12 +32,7 @@ from parallel.distributed import (
 )
 from trainer.config import build_options, check_known_keys
 from trainer.data.datasets import DataIterator, build_datasets, validation_batches
-from trainer.defaults import (
-    adopt_dca_split,
-    degenerate_attention,
-    resolve_schedule,
-    set_sizes,
-)
+from trainer.defaults import adopt_dca_split, degenerate_attention, resolve_schedule, set_sizes
 from trainer.evals.retrieval_mix import PasskeyMix
 from trainer.init_from import adopt_saved_model, open_load
 from trainer.metrics import MetricsLogger
@@ -131,6 +127,9 @@ class Trainer:
         # The real vocabulary and the model's origin, recorded again by this run's checkpoints.
         self.real_vocab = source.meta.vocab_size if source else vocab
         self.hf_source = source.meta.hf_source if source else None
+        if start:  # before the optimizer: under bf16 it copies the weights it will step
+            log.info("fine-tuning from the model-only checkpoint %s (step 0)", start.path)
+            start.load(self.model)
         self.optimizer = build_optimizer(cfg, self.model, self.model_config.bf16)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self._check_space()
@@ -141,10 +140,7 @@ class Trainer:
         self.started = time.perf_counter()  # reset when the first step starts
         self.stop: StopOnSignal | None = None
         wandb_id = None
-        if start:
-            log.info("fine-tuning from the model-only checkpoint %s (step 0)", start.path)
-            start.load(self.model)
-        elif resume_from:
+        if resume_from:
             wandb_id = self._resume(resume_from)
         if cfg.checkpoint.overwrite and cfg.checkpoint.save and self.topo.is_main:
             drop_checkpoints_after(checkpoints_root(cfg, run_dir), self.step)
@@ -208,8 +204,11 @@ class Trainer:
                             max_sequence_length=t.seq_length, options=options)
         self.model_config, self.vocab_size = built.config, built.vocab_size
         self.attention_kernel = built.attention_kernel  # resolved: names the run's metrics
-        self.model = wrap_chunks(built.chunks,
-                                 distributed_optimizer=cfg.parallel.distributed_optimizer)
+        self.model = wrap_chunks(
+            built.chunks, distributed_optimizer=cfg.parallel.distributed_optimizer,
+            overlap_grad_reduce=t.overlap_grad_reduce,
+            overlap_param_gather=t.overlap_grad_reduce and t.overlap_param_gather,
+            bucket_size=t.ddp_bucket_size)
         c = built.config
         self.flops_per_step = t.global_batch_size * training_flops_per_sequence(
             num_layers=c.num_layers, hidden_size=c.hidden_size,
@@ -254,6 +253,7 @@ class Trainer:
         self._ahead = self._read()
 
     def validation_loss(self) -> float:
+        gather_params(self.model)
         batches = validation_batches(self.valid_ds, self.cfg.trainer.micro_batch_size,
                                      self.cfg.trainer.eval_batches)
         return validation_loss(self.model, list(batches), self.cfg.trainer.seq_length, self.device)
@@ -262,6 +262,7 @@ class Trainer:
         """`eval.train_tasks` of the RULER suite on this model (trainer/evals/ruler_run.py)."""
         from trainer.evals.ruler_run import training_scores
 
+        gather_params(self.model)
         return training_scores(self.model[0].module, self.tokenizer, self.cfg,
                                self.valid_ds.stream, self.step)
 
@@ -273,6 +274,7 @@ class Trainer:
             vocab_size=self.real_vocab, tokenizer=str(cfg.data.tokenizer), step=self.step,
             consumed_samples=self.consumed_samples, seed=cfg.trainer.seed,
             wandb_id=self.wandb_id, hf_source=self.hf_source)
+        gather_params(self.model)  # the weights of this step on every rank
         t0 = time.perf_counter()
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, meta,
                                cfg.checkpoint.thread_count)

@@ -24,6 +24,7 @@ from models.validation import MAX_LENGTH, SettingError, check_settings
 from parallel.placement import PlacementError, layout_problems, resolve_device, uses_bf16
 from trainer.config import CONF_DIR, build_options, command_line_overrides
 from trainer.errors import UserError
+from trainer.validate_parallel import check_data_parallel, check_sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,12 @@ def validate_train(cfg: DictConfig, world_size: int | None = None,
                             f"pp=1, cp=1 (data parallelism is fine) and trainer.eval_interval > 0"
                             f" (got tp={p.tp}, pp={p.pp}, cp={p.cp}, eval_interval="
                             f"{t.eval_interval})")
+    check_sequence_parallel(cfg)
     check_model(cfg.model, cfg.attention, cfg.parallel,
                 build_options(t, bf16=bf16, on_gpu=device.type == "cuda"))
     check_kernel(t.attention_kernel, cuda=device.type == "cuda", head_dim=head_dim_of(cfg.model))
     _check_dca_run_settings(t, cfg.attention.kind)
+    check_data_parallel(t, cfg.parallel)
 
 
 def _check_dca_run_settings(t: DictConfig, kind: str) -> None:
@@ -102,6 +105,10 @@ def validate_eval(cfg: DictConfig) -> None:
                         f"parallel.cp={p.cp}, parallel.pp={p.pp}, parallel.vpp={p.vpp}; run it "
                         "with parallel.cp=1 parallel.pp=1 parallel.vpp=null (a checkpoint saved "
                         "at any layout loads at TP alone)")
+    if p.sequence_parallel:
+        raise UserError("trainer.eval runs the model without sequence parallelism (decoding "
+                        "feeds a token at a time): set parallel.sequence_parallel=false (a "
+                        "checkpoint trained with it loads without)")
     if cfg.eval.attention_queries < 0 or (cfg.eval.attention_queries and cfg.parallel.tp > 1):
         raise UserError(f"eval.attention_queries={cfg.eval.attention_queries} needs a count >= 0 "
                         f"and parallel.tp=1 (each TP rank holds only some heads; got tp="

@@ -32,4 +32,4 @@ class ChunkedCoreAttention(CoreAttention):
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return cp_chunked_attention(q, k, v, chunk_size=self.chunk_size, group=self.cp_group,
-                                    softmax_scale=self.softmax_scale)
+                                    softmax_scale=self.softmax_scale, overlap=self.cp_overlap)

@@ -25,6 +25,13 @@ Exchange, chosen by the plan:
           (a contiguous row span), nothing when it reads none; the few rows received are kept
           for backward, whose dk/dv partials go straight back. For chunked attention.
 Both use torch.distributed p2p (batch_isend_irecv), which NCCL and gloo support.
+
+Overlap. By default every exchange is posted before the compute it can hide behind and waited
+for only when its data is needed. With `overlap=False` (the run setting `parallel.cp_overlap`)
+each exchange is waited for as soon as it is posted, so exchange and compute take turns: the
+same operations in the same order, so the same results bit for bit, and the step time of the
+two shows what the overlap hides. (The direct backward sends its partials after all of its
+compute in either case.)
 """
 
 from __future__ import annotations
@@ -134,10 +141,11 @@ def _entries(c: Call, batch: int) -> list[slice]:
     return [slice(None)] if c.blocks == 1 else [slice(i, i + 1) for i in range(batch)]
 
 
-def _ring_sources(kv: torch.Tensor, layout: PieceLayout,
-                  group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor, int]]:
+def _ring_sources(kv: torch.Tensor, layout: PieceLayout, group: dist.ProcessGroup,
+                  overlap: bool = True) -> Iterator[tuple[int, torch.Tensor, int]]:
     """Forward ring: yields (src, its whole KV [2, b, s, hk, d], row offset 0) for t = 0..N-1,
-    the next block already in flight while the caller computes on this one."""
+    the next block already in flight while the caller computes on this one (`overlap`), or
+    already arrived before it does."""
     n, r = layout.size, layout.rank
     current = kv
     for t in range(n):
@@ -145,6 +153,9 @@ def _ring_sources(kv: torch.Tensor, layout: PieceLayout,
         if t < n - 1:
             incoming = torch.empty_like(current)
             works = _p2p([(current, (r + 1) % n)], [(incoming, (r - 1) % n)], group)
+            if not overlap:
+                _wait(works)
+                works = []
         yield (r - t) % n, current, 0
         _wait(works)
         current = incoming
@@ -154,17 +165,17 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
-                group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+                group: dist.ProcessGroup, scale: float, overlap: bool) -> torch.Tensor:
         # Inside a recomputed layer (models/recompute.py) the first forward keeps its result and
         # the KV rows it received; the recompute reuses them: no kernels and no exchange again.
         kept = kept_attention(q.shape)
         if kept is None:
-            out, lse, received = _forward(q, k, v, plan, group, scale)
+            out, lse, received = _forward(q, k, v, plan, group, scale, overlap)
             keep_attention(out, lse, *received)
         else:
             out, lse, *received = kept
         ctx.save_for_backward(q, k, v, out, lse, *received)
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        ctx.plan, ctx.group, ctx.scale, ctx.overlap = plan, group, scale, overlap
         return out
 
     @staticmethod
@@ -179,18 +190,18 @@ class _CPAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)  # this rank's own K/V
         args = _BackwardArgs(plan, q_parts, dout.contiguous(), out, lse, dq, ctx.scale)
         if plan.mode == "ring":
-            _ring_backward(plan, kv, dkv, args, ctx.group)
+            _ring_backward(plan, kv, dkv, args, ctx.group, ctx.overlap)
         else:
             _direct_backward(plan, kv, dkv, args, ctx.group,
                              [(src, lo, rows) for (src, (lo, _)), rows in zip(_incoming(plan),
                                                                               received)])
         return (dq.to(q.dtype), plan.unrotate_k(dkv[0], k.dtype), dkv[1].to(v.dtype), None,
-                None, None)
+                None, None, None)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
-             group: dist.ProcessGroup,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+             group: dist.ProcessGroup, scale: float,
+             overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(out [b, s, hq, d] contiguous, merged lse [b, hq, s] in fp32/fp64, the KV row blocks
     received in direct mode, in `_incoming` order)."""
     layout = plan.layout
@@ -203,9 +214,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
     lse = torch.full((batch, heads, seq), float("-inf"), dtype=acc_dtype, device=q.device)
     received: list[torch.Tensor] = []
     if plan.mode == "ring":
-        sources = _ring_sources(kv, layout, group)
+        sources = _ring_sources(kv, layout, group, overlap)
     else:
-        sources = _direct_sources(kv, plan, group, received)
+        sources = _direct_sources(kv, plan, group, received, overlap)
     for src, block, offset in sources:
         for c in plan.calls(layout.rank, src):
             k0, k1 = c.k0 - offset, c.k1 - offset
@@ -267,11 +278,12 @@ def _calls_backward(args: _BackwardArgs, calls: list[Call], block: torch.Tensor,
 
 
 def _ring_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _BackwardArgs,
-                   group: dist.ProcessGroup) -> None:
+                   group: dist.ProcessGroup, overlap: bool = True) -> None:
     """At step t rank r holds src = r-t's KV. Step 0's dk/dv (its own keys) go into `dkv`; each
     later step's go into a fresh partial that is sent to src (and the partial of rank r+t for
     r's keys received) while the next step computes; it is added into `dkv` one step later.
-    Nothing waits on a gradient hop until the last step."""
+    Nothing waits on a gradient hop until the last step. Without `overlap` each exchange is
+    waited for where it is posted; the additions into `dkv` keep their order (same sums)."""
     n, r = plan.layout.size, plan.layout.rank
     current, in_flight = kv, None
     for t in range(n):
@@ -279,6 +291,9 @@ def _ring_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _Bac
         if t < n - 1:  # the KV moves on while this step computes
             incoming = torch.empty_like(current)
             works = _p2p([(current, (r + 1) % n)], [(incoming, (r - 1) % n)], group)
+            if not overlap:
+                _wait(works)
+                works = []
         partial = dkv if t == 0 else torch.zeros_like(dkv)
         _calls_backward(args, plan.calls(r, (r - t) % n), current, partial, 0)
         _add_arrived(dkv, in_flight)
@@ -286,6 +301,9 @@ def _ring_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _Bac
             arrived = torch.empty_like(dkv)
             in_flight = (arrived, partial, _p2p([(partial, (r - t) % n)],
                                                 [(arrived, (r + t) % n)], group, tag=1))
+            if not overlap:
+                _add_arrived(dkv, in_flight)
+                in_flight = None
         _wait(works)
         current = incoming
     _add_arrived(dkv, in_flight)
@@ -312,9 +330,11 @@ def _incoming(plan: CPPlan) -> list[tuple[int, tuple[int, int]]]:
 
 
 def _direct_sources(kv: torch.Tensor, plan: CPPlan, group: dist.ProcessGroup,
-                    received: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, int]]:
-    """Direct exchange: post every send and receive at once, yield the local KV while they fly,
-    then each received row block (also appended to `received` for the backward)."""
+                    received: list[torch.Tensor],
+                    overlap: bool = True) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """Direct exchange: post every send and receive at once, yield the local KV while they fly
+    (`overlap`; else once they have arrived), then each received row block (also appended to
+    `received` for the backward)."""
     n, r = plan.layout.size, plan.layout.rank
     sends = []
     for t in range(1, n):
@@ -324,6 +344,9 @@ def _direct_sources(kv: torch.Tensor, plan: CPPlan, group: dist.ProcessGroup,
     incoming = _incoming(plan)
     received += [kv.new_empty(2, kv.shape[1], hi - lo, *kv.shape[3:]) for _, (lo, hi) in incoming]
     works = _p2p(sends, [(rows, src) for (src, _), rows in zip(incoming, received)], group)
+    if not overlap:
+        _wait(works)
+        works = []
     yield r, kv, 0
     _wait(works)
     for (src, (lo, _)), rows in zip(incoming, received):
@@ -354,10 +377,11 @@ def _direct_backward(plan: CPPlan, kv: torch.Tensor, dkv: torch.Tensor, args: _B
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan,
-                 group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+                 group: dist.ProcessGroup, scale: float, overlap: bool = True) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys as `plan` describes.
 
     q: [b, 2P, hq, d]; k, v: [b, 2P, hk, d] (this rank's tokens in the load-balanced layout).
     Returns [b, 2P, hq, d] in q's dtype; differentiable in q, k, v (exact global-LSE backward).
+    `overlap=False` waits for each exchange where it is posted (the module docstring).
     """
-    return _CPAttention.apply(q, k, v, plan, group, scale)
+    return _CPAttention.apply(q, k, v, plan, group, scale, overlap)

@@ -53,6 +53,8 @@ class CoreAttention(MegatronModule):
                  cp_comm_type: str | None = None, pg_collection: object = None) -> None:
         super().__init__(config=config)
         self.cp_group: dist.ProcessGroup | None = None
+        # whether the CP exchange runs behind the attention's compute (`parallel.cp_overlap`)
+        self.cp_overlap = config.cp_overlap
         if config.context_parallel_size > 1:
             self.cp_group = (getattr(pg_collection, "cp", None)
                              or parallel_state.get_context_parallel_group())
@@ -125,7 +127,8 @@ class CausalCoreAttention(CoreAttention):
         return causal_attention(q, k, v, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
 
     def attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_causal_attention(q, k, v, group=self.cp_group, softmax_scale=self.softmax_scale)
+        return cp_causal_attention(q, k, v, group=self.cp_group, softmax_scale=self.softmax_scale,
+                                   overlap=self.cp_overlap)
 
     def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return causal_probabilities(q, k, rows, self.scale(q))

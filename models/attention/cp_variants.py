@@ -172,17 +172,18 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 
 
 def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        group: dist.ProcessGroup,
-                        softmax_scale: float | None = None) -> torch.Tensor:
+                        group: dist.ProcessGroup, softmax_scale: float | None = None,
+                        overlap: bool = True) -> torch.Tensor:
     """Causal attention of this CP rank's tokens; q [b, 2P, hq, d], k, v [b, 2P, hk, d] already
-    rotated (megatron's RoPE slices its table for the same layout). Returns [b, 2P, hq, d]."""
+    rotated (megatron's RoPE slices its table for the same layout). Returns [b, 2P, hq, d].
+    `overlap=False` waits for each exchange before computing (`parallel.cp_overlap`)."""
     layout = _layout(q, k, v, group)
-    return cp_attention(q, k, v, StandardPlan(layout), group, _scale(q, softmax_scale))
+    return cp_attention(q, k, v, StandardPlan(layout), group, _scale(q, softmax_scale), overlap)
 
 
 def cp_chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int,
-                         group: dist.ProcessGroup,
-                         softmax_scale: float | None = None) -> torch.Tensor:
+                         group: dist.ProcessGroup, softmax_scale: float | None = None,
+                         overlap: bool = True) -> torch.Tensor:
     """Chunked causal attention (chunks of `chunk_size` global positions) of this CP rank's
     tokens; shapes as `cp_causal_attention`."""
     layout = _layout(q, k, v, group)
@@ -193,7 +194,7 @@ def cp_chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         # itself chunk-aligned: plain chunked attention on it, no communication.
         return chunked_attention(q, k, v, chunk_size=chunk_size, softmax_scale=softmax_scale)
     return cp_attention(q, k, v, ChunkedPlan(layout, chunk_size), group,
-                        _scale(q, softmax_scale))
+                        _scale(q, softmax_scale), overlap)
 
 
 def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -201,7 +202,8 @@ def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             rope_theta: float = 10000.0, mscale: float = 1.0,
                             softmax_scale: float | None = None,
                             scaling: DCAScaling | None = None,
-                            rope_scaling: RopeScaling | None = None) -> torch.Tensor:
+                            rope_scaling: RopeScaling | None = None,
+                            overlap: bool = True) -> torch.Tensor:
     """Dual Chunk Attention of this CP rank's tokens, q and k *before* RoPE (DCA rotates them
     from each token's global position); otherwise as `dca.dual_chunk_attention`."""
     check_sizes(chunk_size, local_size, rope_theta)
@@ -209,4 +211,4 @@ def cp_dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     layout = _layout(q, k, v, group)
     plan = _dca_plan(layout, chunk_size, local_size, float(rope_theta), float(mscale),
                      q.shape[-1], q.dtype, q.device, scaling or DCAScaling(), rope_scaling)
-    return cp_attention(q, k, v, plan, group, _scale(q, softmax_scale))
+    return cp_attention(q, k, v, plan, group, _scale(q, softmax_scale), overlap)

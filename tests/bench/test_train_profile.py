@@ -75,3 +75,12 @@ def test_trace_paths_name_the_case() -> None:
     assert str(train.trace_path(Path("out"), case)) == "out/gpt_1p3b_dca_32768.json.gz"
     assert train.trace_path(Path("out"), {**case, "variant": "fa4"}).name == (
         "gpt_1p3b_dca_32768_fa4.json.gz")
+
+
+def test_under_torchrun_each_rank_writes_its_own_trace_and_summary(monkeypatch) -> None:
+    monkeypatch.setattr(train, "WORLD", 2)
+    monkeypatch.setattr(train, "RANK", 1)
+    case = {"model": "gpt_1p3b", "attention": "dca", "seq": 16384, "variant": "-"}
+    trace = train.trace_path(Path("out"), case)
+    assert trace.name == "gpt_1p3b_dca_16384_rank1.json.gz"
+    assert train.summary_path(trace).name == "gpt_1p3b_dca_16384_rank1.summary.json"

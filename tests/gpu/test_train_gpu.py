@@ -18,10 +18,12 @@ from models.fused_rmsnorm import FusedRMSNorm  # noqa: E402
 from models.gpt import build_gpt, transformer_config  # noqa: E402
 from models.options import BuildOptions  # noqa: E402
 from parallel.distributed import initialize_parallel, shutdown  # noqa: E402
+from tests.ckpt import hf_models  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 from trainer.config import AttentionConfig, ModelConfig  # noqa: E402
 from trainer.train import train  # noqa: E402
 
+hf_imported = hf_models.hf_imported  # the shared fixture
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -136,3 +138,35 @@ def test_350m_dca_at_32k_trains(tmp_path: Path) -> None:
     first, last = losses[0], sum(losses[-5:]) / 5
     assert last < 0.75 * first, (first, last, losses)
     assert max(r["memory_gb"] for r in rows) < 70, rows[-1]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_a_bf16_fine_tune_steps_from_the_imported_weights(tmp_path: Path, hf_imported,
+                                                          distributed_optimizer: bool) -> None:
+    """bf16 on the GPU: megatron's optimizer steps fp32 main copies and writes them back, so a
+    step at a learning rate of ~0 leaves every imported weight as it was (copies taken before
+    the import made the model its random init again after one step)."""
+    from ckpt.load import load_model_weights
+    from ckpt.paths import resolve_checkpoint
+    from models.gpt import build_model
+    from parallel.distributed import unwrap_model
+    from tests.conftest import FAST
+    from trainer.train import Trainer
+
+    _, imported = hf_imported("llama", False)
+    cfg = compose_config(FAST + [
+        f"checkpoint.load={imported}", "trainer.precision=bf16", "trainer.max_steps=2",
+        "trainer.lr=1e-30", "trainer.min_lr=0.0", "trainer.weight_decay=0.0",
+        f"parallel.distributed_optimizer={distributed_optimizer}", "checkpoint.save=false"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        trainer.run()
+        plain = build_model(cfg.model, AttentionConfig(), cfg.parallel,
+                            vocab_size=trainer.vocab_size, max_sequence_length=64).gpt
+        load_model_weights(resolve_checkpoint(imported), plain)
+        stepped = dict(unwrap_model(trainer.model[0]).named_parameters())
+        for name, ref in plain.named_parameters():
+            torch.testing.assert_close(stepped[name].detach().float().cpu(),
+                                       ref.detach().to(torch.bfloat16).float(), msg=name)
+    finally:
+        trainer.close()

@@ -67,6 +67,38 @@ def test_a_head_gate_is_added_to_an_imported_model(tmp_path: Path, hf_imported, 
         trainer.close()
 
 
+def test_the_optimizer_is_built_from_the_imported_weights(tmp_path: Path, hf_imported,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 megatron's optimizer steps fp32 main copies of the weights, taken when it is
+    built, and writes them back after each step: a fine-tune must build it after the imported
+    weights are in the model (built before, one step made the model its random init again and
+    the loss jumped to ln(vocabulary) at step 2 on the GPU). megatron's bf16 optimizer needs
+    CUDA tensors, so on the CPU this checks the order: the weights the optimizer sees."""
+    import trainer.train as train_module
+
+    _, imported = hf_imported("llama", False)
+    cfg = compose_config(FAST + [f"checkpoint.load={imported}", "trainer.max_steps=2",
+                                 "checkpoint.save=false"])
+    seen: dict[str, torch.Tensor] = {}
+    build = train_module.build_optimizer
+
+    def recording(cfg, model, bf16):  # noqa: ANN001, ANN202
+        seen.update({name: p.detach().clone()
+                     for name, p in unwrap_model(model[0]).named_parameters()})
+        return build(cfg, model, bf16)
+
+    monkeypatch.setattr(train_module, "build_optimizer", recording)
+    trainer = train_module.Trainer(cfg, tmp_path)
+    try:
+        plain = build_model(cfg.model, AttentionConfig(), cfg.parallel,
+                            vocab_size=trainer.vocab_size, max_sequence_length=64).gpt
+        load_model_weights(resolve_checkpoint(imported), plain)
+    finally:
+        trainer.close()
+    for name, ref in plain.named_parameters():
+        assert torch.equal(seen[name], ref.detach()), name
+
+
 def test_a_different_chosen_model_is_refused(hf_imported) -> None:
     from trainer.init_from import adopt_saved_model, open_load
 

@@ -62,5 +62,5 @@ class DCACoreAttention(CoreAttention):
         return cp_dual_chunk_attention(
             q, k, v, chunk_size=self.chunk_size, local_size=self.local_size, group=self.cp_group,
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
-            scaling=self.scaling, rope_scaling=self.rope_scaling,
+            scaling=self.scaling, rope_scaling=self.rope_scaling, overlap=self.cp_overlap,
         )
