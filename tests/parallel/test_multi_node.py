@@ -47,7 +47,7 @@ def _two_nodes(tmp_path: Path, args: list[str]) -> None:
                     and not any(n.poll() for n in (node0, node1)):
                 time.sleep(0.5)
             codes = [node0.poll(), node1.poll()]
-        finally:  # torchrun starts its rank in a session of its own, which own_session misses
+        finally:  # torchrun setsid()s its rank into its own session, which own_session misses
             for node in (node0, node1):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     for child in psutil.Process(node.pid).children(recursive=True):
