@@ -58,6 +58,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 
 from bench.attention import gpu_activity, gpu_timeline  # noqa: E402
 from bench.gpu_power import describe, sampled  # noqa: E402
+from bench.overrides import merge_overrides  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.train import Trainer, train  # noqa: E402
 
@@ -70,18 +71,6 @@ BASE = {
     "trainer.eval_interval": "0", "checkpoint.save": "false",
     "logger": "none", "trainer.lr": "1e-4", "trainer.min_lr": "1e-5",
 }
-
-
-def merge_overrides(*groups: list[str]) -> list[str]:
-    """Hydra overrides with later groups winning per key (Hydra rejects a key given twice)."""
-    merged: dict[str, str] = {}
-    for group in groups:
-        for item in group:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"override {item!r} is not KEY=VALUE")
-            merged[key] = value
-    return [f"{k}={v}" for k, v in merged.items()]
 
 
 def matches(key: str, case: dict[str, Any]) -> bool:
