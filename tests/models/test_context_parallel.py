@@ -140,12 +140,18 @@ def fresh_groups(root: str, name: str, tp: int | None = 1, cp: int = 1) -> Itera
         shutdown()
 
 
-def check_functions(n: int) -> dict[str, dict[str, Any]]:
-    """Max |CP - reference| of out, dq, dk, dv and the elements sent, per function, at CP=n."""
+def cp_inputs() -> tuple[torch.Tensor, ...]:
+    """q, k, v, dout of the function checks (float64, GQA 4/2, 48 tokens, seeded)."""
     gen = torch.Generator().manual_seed(0)
     b, s, hq, hk, d = 2, 48, 4, 2, 8
     q, do = (torch.randn(b, s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(b, s, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q, k, v, do
+
+
+def check_functions(n: int) -> dict[str, dict[str, Any]]:
+    """Max |CP - reference| of out, dq, dk, dv and the elements sent, per function, at CP=n."""
+    q, k, v, do = cp_inputs()
     group = parallel_state.get_context_parallel_group()
     r = dist.get_rank(group)
     found: dict[str, dict[str, Any]] = {}

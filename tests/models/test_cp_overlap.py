@@ -37,6 +37,7 @@ from tests.models.test_context_parallel import (
     SEQ,
     VOCAB,
     WORLD,
+    cp_inputs,
     cp_slice,
     fresh_groups,
     train_overrides,
@@ -104,10 +105,7 @@ def schedule(events: list[str]) -> dict[str, bool]:
 def check_functions(n: int) -> dict[str, dict[str, Any]]:
     """Per function at CP=n: the largest |serialised - overlapped| of out, dq, dk, dv, whether
     they are all equal, and the schedule of each order."""
-    gen = torch.Generator().manual_seed(0)
-    b, s, hq, hk, d = 2, 48, 4, 2, 8
-    q, do = (torch.randn(b, s, hq, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(b, s, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, k, v, do = cp_inputs()
     group = parallel_state.get_context_parallel_group()
     r = dist.get_rank(group)
     found: dict[str, dict[str, Any]] = {}
