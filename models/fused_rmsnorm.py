@@ -32,22 +32,20 @@ class FusedRMSNorm(torch.nn.Module):
         super().__init__()
         if config.normalization != "RMSNorm":
             raise ValueError(f"FusedRMSNorm is an RMSNorm; the model uses {config.normalization}")
+        if config.layernorm_zero_centered_gamma:  # no setting of this project asks for it
+            raise ValueError("FusedRMSNorm does not store a zero-centred gamma; use the torch norm")
         self.hidden_size = hidden_size
         self.eps = eps
-        # megatron's zero-centred gamma stores weight - 1 (decayed towards a unit scale)
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.weight = torch.nn.Parameter(
-            torch.zeros(hidden_size) if self.zero_centered_gamma else torch.ones(hidden_size))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         # Under sequence parallelism each TP rank normalises its own slice of the sequence, so
         # its weight gradient is a partial sum: megatron's `finalize_model_grads` sums the
         # gradients of parameters marked so over the TP group (as for its own fused norms).
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if triton is None or not x.is_cuda or x.shape[-1] > 16384:
-            return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
-        return _RMSNorm.apply(x, weight, self.eps)
+            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
