@@ -194,6 +194,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.evals.retrieval import multikey_accuracy
     from trainer.init_from import open_load
+    from trainer.timing import Phases
 
     check_known_keys(cfg)
     validate_eval(cfg)
@@ -227,11 +228,13 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     log.info("evaluating %s (step %d, trained with %s attention) with %s attention at "
              "lengths %s", ckpt.path, meta.step, meta.attention.kind, label,
              list(cfg.eval.lengths))
+    phases = Phases(device)
     topo = initialize_parallel(device, cfg.parallel.tp, cfg.eval.seed)
     try:
         e = cfg.eval
-        _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, max(e.lengths),
-                                     data.valid_fraction, 0, data.max_documents)
+        with phases("data"):
+            _, valid, _ = build_datasets(data.name, data.path, data.tokenizer, max(e.lengths),
+                                         data.valid_fraction, 0, data.max_documents)
         summary = {"checkpoint": str(ckpt.path), "step": meta.step,
                    "trained_attention": meta.attention.kind,
                    "attention": OmegaConf.to_container(cfg.attention, resolve=True,
@@ -243,35 +246,43 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             from trainer.evals.ruler_run import evaluate_ruler
 
             def model_loader():
-                return load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
+                with phases("load"):
+                    return load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
 
             return evaluate_ruler(cfg, model_cfg, data.tokenizer, valid.stream, model_loader,
-                                  summary, run_dir, device, bf16, topo.is_main)
-        model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
+                                  summary, run_dir, device, bf16, topo.is_main, phases)
+        with phases("load"):
+            model, tokenizer = load_model(cfg, model_cfg, data.tokenizer, ckpt, device, bf16)
         fit = fitting_lengths(tokenizer, valid.stream, e)
         greedy = Greedy(model, tokenizer.vocab_size, device, e.batch_size)
-        greedy.reserve(max(fit["passkey"] + fit["multikey"], default=0) + ANSWER_TOKENS)
-        cells = passkey_accuracy(model, tokenizer, fit["passkey"], list(e.depths),
-                                 e.passkey_trials, e.passkey_digits, e.batch_size, e.seed, device,
-                                 greedy)
-        multikey = multikey_accuracy(model, tokenizer, valid.stream, fit["multikey"],
-                                     list(e.depths), e.multikey_trials, e.multikey_keys,
-                                     e.passkey_digits, e.batch_size, e.seed, device, greedy) \
-            if e.multikey_trials > 0 else []
+        with phases("cache"):
+            greedy.reserve(max(fit["passkey"] + fit["multikey"], default=0) + ANSWER_TOKENS)
+        with phases("passkey"):
+            cells = passkey_accuracy(model, tokenizer, fit["passkey"], list(e.depths),
+                                     e.passkey_trials, e.passkey_digits, e.batch_size, e.seed,
+                                     device, greedy)
+        with phases("multikey"):
+            multikey = multikey_accuracy(model, tokenizer, valid.stream, fit["multikey"],
+                                         list(e.depths), e.multikey_trials, e.multikey_keys,
+                                         e.passkey_digits, e.batch_size, e.seed, device,
+                                         greedy) if e.multikey_trials > 0 else []
         greedy.release()  # the cache's memory goes to the perplexity's logits
+        greedy.report(phases)
         # over the model's whole vocabulary (its config's, padding rows excluded), as
         # transformers computes a loss: the tokenizer may name fewer ids than the model has
         vocab = meta.vocab_size
-        points = perplexity_by_length(model, valid.stream, fit["perplexity"],
-                                      e.perplexity_windows, ppl_rows, vocab, device,
-                                      trained_length) if fit["perplexity"] else []
-        attention = attention_by_distance(model, valid.stream, fit["perplexity"],
-                                          e.attention_queries, vocab, device,
-                                          trained_length) if e.attention_queries > 0 else []
+        with phases("perplexity"):
+            points = perplexity_by_length(model, valid.stream, fit["perplexity"],
+                                          e.perplexity_windows, ppl_rows, vocab, device,
+                                          trained_length) if fit["perplexity"] else []
+        with phases("attention"):
+            attention = attention_by_distance(model, valid.stream, fit["perplexity"],
+                                              e.attention_queries, vocab, device,
+                                              trained_length) if e.attention_queries > 0 else []
     finally:
         shutdown()
     typed = EvalResults(**summary, passkey=cells, multikey=multikey, perplexity=points,
-                        attention_by_distance=attention)
+                        attention_by_distance=attention, seconds=phases.to_dict())
     results = typed.to_dict()
     if topo.is_main:
         _warn_non_finite(points)
@@ -299,6 +310,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                          ", ".join(f">={e} {m:.3f}" for e, m in zip(a.edges, mean)))
         if cfg.logger.wandb:
             _log_wandb(cfg, run_dir, label, cells, points, plots, multikey, attention)
+        log.info("%s", phases.summary())
         log.info("results in %s", run_dir)
     return results
 

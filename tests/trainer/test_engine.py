@@ -5,6 +5,7 @@ seeded sampling."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -119,6 +120,21 @@ def test_a_reserved_cache_serves_smaller_batches_and_shorter_prompts(single_proc
         assert engine.cache is cache
         assert out == DecodeEngine(model, VOCAB, EngineOptions(max_batch=len(batch))).generate(
             batch, 5)
+
+
+def test_the_engine_counts_its_tokens_and_splits_its_time(single_process) -> None:
+    engine = DecodeEngine(model_of("standard"), VOCAB)
+    batch = prompts(3)
+    start = time.perf_counter()
+    out = engine.generate(batch, [2, 5, 1])
+    wall = time.perf_counter() - start
+    s = engine.stats
+    assert (s.prompts, s.prompt_tokens, s.new_tokens) == (
+        3, sum(map(len, batch)), sum(map(len, out))) and [len(t) for t in out] == [2, 5, 1]
+    assert s.prefill_s > 0 and s.decode_s > 0 and s.capture_s == 0  # no graphs on the CPU
+    assert s.prefill_s + s.decode_s <= wall
+    engine.generate(batch[:1], 1)  # a prefill only: the decode time stays
+    assert engine.stats.decode_s == s.decode_s and engine.stats.prompts == 4
 
 
 def test_stop_tokens_and_budgets_per_prompt(single_process) -> None:

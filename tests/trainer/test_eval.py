@@ -183,6 +183,9 @@ def test_eval_switches_attention_and_writes_results(run_training, tmp_path: Path
     assert by_distance[0]["rows"] == [128, 170, 213, 255]  # the second half of the window
     assert all(sum(m) == pytest.approx(1.0) for a in by_distance for m in a["mass"])
     assert json.loads((out / "eval.json").read_text()) == results
+    seconds = results["seconds"]  # where the time went, each phase of this suite named
+    assert {"data", "load", "cache", "passkey", "multikey", "perplexity", "attention",
+            "before"} <= set(seconds) and all(v >= 0 for v in seconds.values())
     assert (out / "passkey.png").stat().st_size > 0 and (out / "perplexity.png").is_file()
     assert list((out / "wandb").glob("offline-run-*"))
     tables = list((out / "wandb").glob("offline-run-*/files/media/table/attention/by_distance_*"))

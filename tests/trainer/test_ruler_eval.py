@@ -55,6 +55,10 @@ def test_the_suite_runs_end_to_end_and_writes_its_results(checkpoint, tmp_path: 
     assert list(ruler["averages"]) == [str(LENGTH)]
     assert results["attention"]["kind"] == "dca"  # the checkpoint's own attention
     assert json.loads((out / "eval.json").read_text()) == results
+    seconds = results["seconds"]
+    assert {"data", "prompts", "load", "decoding", "engine.prefill", "engine.decode"} <= \
+        set(seconds)
+    assert seconds["engine.prefill"] + seconds["engine.decode"] <= seconds["decoding"]
     predictions = (out / "ruler_predictions.jsonl").read_text().splitlines()
     inputs = (out / "ruler_inputs.jsonl").read_text().splitlines()
     assert len(predictions) == len(inputs) == 8
@@ -68,7 +72,7 @@ def test_scores_and_effective_length_follow_the_predictions(checkpoint, tmp_path
                                                             monkeypatch) -> None:
     """A decoder that answers every reference scores 100 everywhere (effective length: the
     longest length); one that answers nothing scores 0 (none)."""
-    def oracle(model, tokenizer, samples, options, progress=True):
+    def oracle(model, tokenizer, samples, options, progress=True, phases=None):
         return [" " + ", ".join(s.references) for s in samples]
 
     monkeypatch.setattr(ruler_run, "decode", oracle)
@@ -76,7 +80,8 @@ def test_scores_and_effective_length_follow_the_predictions(checkpoint, tmp_path
                   tmp_path / "a", monkeypatch)
     assert results["ruler"]["averages"] == {str(LENGTH): 100.0, str(2 * LENGTH): 100.0}
     assert results["ruler"]["effective_length"] == 2 * LENGTH
-    monkeypatch.setattr(ruler_run, "decode", lambda m, t, samples, o, p=True: [""] * len(samples))
+    monkeypatch.setattr(ruler_run, "decode",
+                        lambda m, t, samples, o, p=True, phases=None: [""] * len(samples))
     results = run(config(checkpoint), tmp_path / "b", monkeypatch)
     assert results["ruler"]["averages"] == {str(LENGTH): 0.0}
     assert results["ruler"]["effective_length"] is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,24 @@ class EngineOptions:
     cuda_graphs: bool = True  # the decode step as a CUDA graph (GPU only)
 
 
+@dataclass
+class EngineStats:
+    """What the engine has done so far: wall seconds (each ends at a host sync the decoding
+    makes anyway) and tokens."""
+
+    prefill_s: float = 0.0  # cache allocation and prefill up to the first token's pick
+    decode_s: float = 0.0  # the decode steps (captures excluded)
+    capture_s: float = 0.0  # capturing the decode step's graph (warm-up runs included)
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+
+    def seconds(self) -> dict[str, float]:
+        """The split under the names a command's timing (trainer/timing.py) reports it."""
+        return {"engine.prefill": self.prefill_s, "engine.decode": self.decode_s,
+                "engine.capture": self.capture_s}
+
+
 def bucket(n: int, multiple: int) -> int:
     return multiple * math.ceil(n / multiple)
 
@@ -64,6 +83,7 @@ class DecodeEngine:
         self.graphs = options.cuda_graphs and self.device.type == "cuda"
         self.tokens: torch.Tensor | None = None  # the decode step's input [batch, 1]
         self.logits: torch.Tensor | None = None  # the captured step's output [batch, vocab]
+        self.stats = EngineStats()
 
     # -- public ------------------------------------------------------------------------------
 
@@ -112,14 +132,23 @@ class DecodeEngine:
                         on_tokens: Callable[[int, list[int]], None] | None) -> list[list[int]]:
         b = len(prompts)
         lengths = [len(p) for p in prompts]
+        stats = self.stats
+        start = time.perf_counter()
         self._ensure_cache(b, max(n + m for n, m in zip(lengths, budgets)))
         logits = self._prefill(prompts)  # [b, vocab]
         sampler = Sampler(sampling, ids, self.device)
         new: list[list[int]] = [[] for _ in prompts]
         done = [False] * b
         pos = torch.tensor(lengths + [0] * (self.cache.batch - b), device=self.device)
+        first, captured = True, stats.capture_s
         while True:
             picked = sampler(logits[:b]).tolist()  # one host sync per step
+            now = time.perf_counter()
+            if first:
+                stats.prefill_s += now - start
+                first = False
+            else:
+                stats.decode_s += now - start - (stats.capture_s - captured)
             for r, token in enumerate(picked):
                 if not done[r]:
                     new[r].append(token)
@@ -127,9 +156,13 @@ class DecodeEngine:
                     if on_tokens is not None:
                         on_tokens(ids[r], new[r])
             if all(done):
+                stats.prompts += b
+                stats.prompt_tokens += sum(lengths)
+                stats.new_tokens += sum(map(len, new))
                 return new
             self.tokens[:b, 0] = torch.tensor(picked, device=self.device)
             self.cache.pos.copy_(pos)
+            start, captured = time.perf_counter(), stats.capture_s
             logits = self._step()
             pos[:b] += 1
 
@@ -221,6 +254,7 @@ class DecodeEngine:
     def _capture(self) -> None:
         """Capture the decode step (the inputs in place are this step's: the warm-up runs write
         the same keys and values the replay writes)."""
+        start = time.perf_counter()
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -236,6 +270,8 @@ class DecodeEngine:
             log.warning("decoding without CUDA graphs: capturing the decode step failed (%s: "
                         "%s)", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             self.graphs, self.graph, self.logits = False, None, None
+        torch.cuda.synchronize()
+        self.stats.capture_s += time.perf_counter() - start
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:

@@ -96,6 +96,12 @@ class Greedy:
         if self.engine is not None:
             self.engine.release()
 
+    def report(self, phases) -> None:
+        """The engine's split of the decoding time (prefill, steps, capture) into `phases`
+        (trainer/timing.py)."""
+        if self.engine is not None:
+            phases.add_all(self.engine.stats.seconds())
+
     def starts_with(self, tokenizer, prompts: list[list[int]], candidates: list[list[str]],
                     steps: int | list[int], progress: str | None = None) -> list[list[bool]]:
         """For each prompt i: [the text of greedy's `steps` tokens starts with c, for c in

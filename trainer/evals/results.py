@@ -108,11 +108,14 @@ class EvalResults:
     attention_by_distance: list[AttentionPoint] = field(default_factory=list)
     ruler: SuiteResult | None = None
     ruler_settings: dict[str, Any] | None = None  # tasks, samples, template, seed
+    # wall seconds per phase (trainer/timing.py): "before" is the process's age when timing
+    # began; "engine.*" split the decoding phases' time
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("checkpoint", "step", "trained_attention",
                                               "attention", "label", "rope", "trained_length",
-                                              "suite")}
+                                              "suite", "seconds")}
         if self.suite == "ruler":
             return out | {"ruler": self.ruler.to_dict() if self.ruler else None,
                           "ruler_settings": self.ruler_settings}
@@ -141,7 +144,7 @@ class EvalResults:
             attention_by_distance=[AttentionPoint(**a)
                                    for a in d.get("attention_by_distance", [])],
             ruler=SuiteResult.from_dict(d["ruler"]) if d.get("ruler") else None,
-            ruler_settings=d.get("ruler_settings"))
+            ruler_settings=d.get("ruler_settings"), seconds=d.get("seconds", {}))
 
     def write(self, run_dir: Path) -> Path:
         """run_dir/eval.json, whole or not at all (a temporary name renamed)."""

@@ -22,6 +22,7 @@ from trainer.evals.ruler import SuiteResult, score_predictions
 from trainer.evals.ruler.specs import Sample, TaskSpec
 from trainer.evals.ruler.suite import build_samples, check_lengths, select_tasks, write_jsonl
 from trainer.evals.ruler.templates import load_chat_template
+from trainer.timing import Phases
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,17 @@ def prepare(settings: SuiteSettings, tokenizer, tokenizer_spec: str, stream
 
 
 def decode(model: torch.nn.Module, tokenizer, samples: list[Sample], options: EngineOptions,
-           progress: bool = True) -> list[str]:
+           progress: bool = True, phases: Phases | None = None) -> list[str]:
     """Every sample's generated text, greedy up to its task's budget, until the end-of-text
-    token; on data-parallel ranks each decodes its share and the texts are gathered."""
+    token; on data-parallel ranks each decodes its share and the texts are gathered. The
+    engine's time split goes to `phases`."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(samples), world))
     engine = DecodeEngine(model, tokenizer.vocab_size, options)
+    if mine:  # one cache (and one captured step) for every cell: the largest first
+        engine.reserve(min(options.max_batch, len(mine)),
+                       max(len(samples[i].prompt_ids) + samples[i].max_new_tokens
+                           for i in mine))
     texts: dict[int, str] = {}
     cells: dict[tuple[str, int], list[int]] = {}
     for i in mine:
@@ -91,6 +97,8 @@ def decode(model: torch.nn.Module, tokenizer, samples: list[Sample], options: En
         bar.update(len(index))
     bar.close()
     engine.release()
+    if phases is not None:
+        phases.add_all(engine.stats.seconds())
     if world > 1:
         parts: list[dict[int, str]] = [{} for _ in range(world)]
         dist.all_gather_object(parts, texts)
@@ -167,7 +175,8 @@ def engine_options(decode_cfg, batch_size: int) -> EngineOptions:
 
 
 def evaluate_ruler(cfg, model_cfg, tokenizer_spec: str, stream, model_loader, summary: dict,
-                   run_dir: Path, device: torch.device, bf16: bool, is_main: bool) -> dict:
+                   run_dir: Path, device: torch.device, bf16: bool, is_main: bool,
+                   phases: Phases) -> dict:
     """`trainer.eval eval.suite=ruler`: every input checked and built before the model loads
     (`model_loader()` -> (model, tokenizer)), then decoded and scored; writes eval.json,
     ruler.png, ruler_predictions.jsonl (and ruler_inputs.jsonl) and the wandb tables."""
@@ -185,17 +194,20 @@ def evaluate_ruler(cfg, model_cfg, tokenizer_spec: str, stream, model_loader, su
                         f"{cfg.parallel.tp}); a checkpoint saved at any TP loads at TP=1")
     settings = settings_of(e, e.lengths)
     tokenizer = load_tokenizer(tokenizer_spec)
-    _, samples = prepare(settings, tokenizer, tokenizer_spec, stream)
+    with phases("prompts"):
+        _, samples = prepare(settings, tokenizer, tokenizer_spec, stream)
     check_cache(model_cfg, e.batch_size, max(settings.lengths), e.batch_size, bf16,
                 cfg.decode.max_cache_gb, device, "lower eval.batch_size or eval.lengths")
     if e.write_inputs and is_main:
         write_jsonl(samples, run_dir / "ruler_inputs.jsonl")
     model, tokenizer = model_loader()
-    texts = decode(model, tokenizer, samples, engine_options(cfg.decode, e.batch_size))
+    with phases("decoding"):
+        texts = decode(model, tokenizer, samples, engine_options(cfg.decode, e.batch_size),
+                       phases=phases)
     result = score_predictions(samples, texts, settings.threshold)
     typed = EvalResults(**summary, suite="ruler", ruler=result, ruler_settings={
         "tasks": sorted({s.task for s in samples}), "samples": settings.samples,
-        "template": settings.template, "seed": settings.seed})
+        "template": settings.template, "seed": settings.seed}, seconds=phases.to_dict())
     results = typed.to_dict()
     if not is_main:
         return results
@@ -212,6 +224,7 @@ def evaluate_ruler(cfg, model_cfg, tokenizer_spec: str, stream, model_loader, su
         log.info("%s", line)
     log.info("effective length %s (threshold %g); results in %s", result.effective_length,
              result.threshold, run_dir)
+    log.info("%s", phases.summary())
     if cfg.logger.wandb:
         _log_wandb(cfg, run_dir, summary["label"], result, plot)
     return results
