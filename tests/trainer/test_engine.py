@@ -164,3 +164,36 @@ def test_sampling_is_seeded_per_prompt(single_process) -> None:
 def test_sampling_settings_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError):
         Sampling(**bad)
+
+
+def test_the_ruler_decode_allocates_one_cache_for_all_its_cells(single_process,
+                                                                monkeypatch) -> None:
+    """Cells of growing length (a short task first) decode in the one cache reserved for the
+    longest: no reallocation (on a GPU: no second graph capture) between cells."""
+    from trainer.engine import engine as engine_module
+    from trainer.evals.ruler.specs import Sample
+    from trainer.evals.ruler_run import decode
+
+    made = []
+
+    class Counted(engine_module.LayerCache):
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(args[1:])  # (rows, length)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "LayerCache", Counted)
+
+    class Tokenizer:
+        vocab_size, eod = VOCAB, 0
+
+        def decode(self, ids: list[int]) -> str:
+            return " ".join(map(str, ids))
+
+    # (task, prompt tokens, new tokens): the short cell first
+    cells = [("short", 8, 2), ("short", 8, 2), ("long", LENGTH_MULTIPLE + 8, 3)]
+    ids = prompts(3, lengths=tuple(n for _, n, _ in cells))
+    samples = [Sample(task, n + m, i, "", "", p, ["x"], m, "string_match_all")
+               for i, ((task, n, m), p) in enumerate(zip(cells, ids))]
+    texts = decode(model_of("standard"), Tokenizer(), samples, EngineOptions(max_batch=2),
+                   progress=False)
+    assert made == [(2, 2 * LENGTH_MULTIPLE)] and len(texts) == 3
