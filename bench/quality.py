@@ -79,7 +79,7 @@ def evaluate(name: str, ckpt: Path, overrides: list[str], lengths: list[int], sa
     row = {"method": name, "checkpoint": str(ckpt), "label": results["label"],
            "attention": results["attention"], "rope": results["rope"], "lengths": lengths,
            "samples": samples, "seconds": seconds, "prompts_per_s": prompts / seconds,
-           "ruler": results["ruler"]}
+           "phases": results.get("seconds", {}), "ruler": results["ruler"]}
     _append(out, row)
     print(f"{name}: {seconds:.0f} s, {prompts / seconds:.2f} prompts/s, averages "
           f"{results['ruler']['averages']}", flush=True)

@@ -41,7 +41,8 @@ def test_the_readme_marks_its_gpu_commands() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("command", gpu_commands())
+@pytest.mark.parametrize("command", gpu_commands(),
+                         ids=lambda c: "torchrun" if c.startswith("torchrun") else "one_process")
 def test_readme_gpu_command_runs(command: str, tmp_path: Path) -> None:
     words = shlex.split(command)
     ranks = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else 1
