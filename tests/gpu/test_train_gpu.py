@@ -158,6 +158,7 @@ def test_a_bf16_fine_tune_steps_from_the_imported_weights(tmp_path: Path, hf_imp
         f"checkpoint.load={imported}", "trainer.precision=bf16", "trainer.max_steps=2",
         "trainer.lr=1e-30", "trainer.min_lr=0.0", "trainer.weight_decay=0.0",
         f"parallel.distributed_optimizer={distributed_optimizer}", "checkpoint.save=false"])
+    (tmp_path / "run").mkdir()
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.run()

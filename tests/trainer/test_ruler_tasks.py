@@ -237,3 +237,41 @@ def test_largest_fitting_finds_the_boundary() -> None:
     assert tokens <= 1000 and 10 + 7 * (size + 1) + (size + 1) % 3 > 1000
     assert len(calls) < 15
     assert largest_fitting(lambda n: (50 + n, None), 40, start=5, per_unit=1.0) is None
+
+
+class OneAtATime:
+    """A tokenizer with `encode` only (no `encode_batch`), counting its calls."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+        self.vocab_size, self.eod, self.name = inner.vocab_size, inner.eod, inner.name
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return self.inner.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.inner.decode(ids)
+
+
+def test_samples_built_together_equal_samples_built_one_by_one(bpe: JsonTokenizer,
+                                                              monkeypatch) -> None:
+    """Every sample's fit is searched in lockstep with the others' (their prompts encoded in
+    batches): the prompts are the ones a search of its own finds, batch or no batch."""
+    from trainer.evals.ruler.fit import Context
+    from trainer.evals.ruler.templates import PromptFormat
+
+    specs = select_tasks(["niah_single_2", "niah_multikey_1", "vt", "fwe"], None)
+    items = [(spec, length, index) for spec in specs for length in (1500, 2500)
+             for index in range(3)]
+    batches = []
+    encode_batch = JsonTokenizer.encode_batch
+    monkeypatch.setattr(JsonTokenizer, "encode_batch",
+                        lambda self, texts: batches.append(len(texts)) or encode_batch(self, texts))
+    together = Context(bpe, 4, PromptFormat("base"), ESSAY).samples(items)
+    plain = OneAtATime(bpe)
+    alone = [Context(plain, 4, PromptFormat("base"), ESSAY).sample(*item) for item in items]
+    assert [(s.task, s.length, s.index, s.input, s.prompt_ids) for s in together] == [
+        (s.task, s.length, s.index, s.input, s.prompt_ids) for s in alone]
+    assert max(batches) >= len(items) and plain.calls > len(items)  # batched vs one by one
+    assert all(len(s.prompt_ids) + s.max_new_tokens <= s.length for s in together)

@@ -11,6 +11,10 @@ until that sample's prompt fits. Here:
 2. Each sample starts from that size and moves down (over the budget) or up (more than ~1%
    under) the same way, so every prompt fits and sits within about 1% of its budget.
 
+Both searches run for every (task, length) and every sample in lockstep (`run_searches`): each
+round's prompts are tokenized together by the tokenizer's `encode_batch`, on all cores, while
+each search tries exactly the sizes it would try alone.
+
 Determinism: a sample's draws all come from numpy.random.default_rng((seed, task_id, length,
 index)), a fresh generator for each size tried, so the prompt is a function of those and of its
 size alone: the same for the same (seed, task, length, index), whatever else is generated. The
@@ -20,8 +24,9 @@ probe uses (seed, task_id, length, 0, 1), a key no sample has.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -59,26 +64,29 @@ def probe_rng(seed: int, task: str, length: int) -> np.random.Generator:
     return np.random.default_rng((seed, task_id(task), length, 0, 1))
 
 
-def largest_fitting(measure: Callable[[int], tuple[int, object]], budget: int, start: int,
-                    per_unit: float, floor: int = 0, tolerance: int = 0):
-    """(size, tokens, payload) of the largest size >= `floor` found with measure(size)[0] <=
-    `budget`, or None when `floor` is over it. `measure(size)` -> (tokens, payload).
+def fitting_search(budget: int, start: int, per_unit: float, floor: int = 0,
+                   tolerance: int = 0) -> Generator[int, int, tuple[int, int] | None]:
+    """The search for the largest size >= `floor` whose prompt is <= `budget` tokens, as a
+    generator: it yields the next size to measure and is sent that size's token count; it
+    returns (size, tokens), or None when `floor` is over the budget.
 
     Secant steps from `start` (tokens per unit re-estimated from the last two sizes), kept in
     the middle half of the bracket (largest fitting, smallest over) once both ends are known;
     stops when the bracket closes or a fitting size is within `tolerance` tokens of the budget.
+    A generator, so that many searches can run in lockstep (`run_searches`): their prompts are
+    encoded together, in parallel, and each tries the sizes it would try alone.
     """
-    best = None  # (size, tokens, payload): the largest size seen that fits
+    best = None  # (size, tokens): the largest size seen that fits
     over = None  # the smallest size seen over the budget
     size, last = max(start, floor), None
     for _ in range(MAX_STEPS):
-        tokens, payload = measure(size)
+        tokens = yield size
         if last is not None and size != last[0] and (tokens - last[1]) / (size - last[0]) > 0:
             per_unit = (tokens - last[1]) / (size - last[0])
         last = (size, tokens)
         if tokens <= budget:
             if best is None or size > best[0]:
-                best = (size, tokens, payload)
+                best = (size, tokens)
             if budget - tokens <= tolerance:
                 break
             guess = size + max(1, int((budget - tokens) / per_unit))
@@ -98,9 +106,51 @@ def largest_fitting(measure: Callable[[int], tuple[int, object]], budget: int, s
             guess = min(max(guess, low + quarter), high - quarter)
         size = guess
     if best is None:  # out of steps before anything fitted: the floor decides
-        tokens, payload = measure(floor)
-        return (floor, tokens, payload) if tokens <= budget else None
+        tokens = yield floor
+        return (floor, tokens) if tokens <= budget else None
     return best
+
+
+def run_searches(searches: list[Generator[int, int, Any]],
+                 measure_many: Callable[[list[tuple[int, int]]], list[int]],
+                 finished: Callable[[int], None] | None = None) -> list[Any]:
+    """Drive `searches` in lockstep: each round, measure_many([(search index, size), ...])
+    gives the token counts of every unfinished search's next size; returns their results
+    (`finished(i)` as search i ends)."""
+    results: list[Any] = [None] * len(searches)
+    pending: dict[int, int] = {}
+    for i, search in enumerate(searches):
+        try:
+            pending[i] = next(search)
+        except StopIteration as done:
+            results[i] = done.value
+    while pending:
+        asked = list(pending.items())
+        for (i, _), tokens in zip(asked, measure_many(asked)):
+            try:
+                pending[i] = searches[i].send(tokens)
+            except StopIteration as done:
+                results[i] = done.value
+                del pending[i]
+                if finished is not None:
+                    finished(i)
+    return results
+
+
+def largest_fitting(measure: Callable[[int], tuple[int, object]], budget: int, start: int,
+                    per_unit: float, floor: int = 0, tolerance: int = 0):
+    """(size, tokens, payload) of `fitting_search`'s answer, measured one size at a time by
+    `measure(size)` -> (tokens, payload); None when `floor` is over the budget."""
+    payloads: dict[int, object] = {}
+
+    def measure_many(asked: list[tuple[int, int]]) -> list[int]:
+        (_, size), = asked
+        tokens, payloads[size] = measure(size)
+        return [tokens]
+
+    found, = run_searches([fitting_search(budget, start, per_unit, floor, tolerance)],
+                          measure_many)
+    return None if found is None else (*found, payloads[found[0]])
 
 
 @dataclass(frozen=True)
@@ -168,8 +218,16 @@ class Context:
         return GENERATORS[type(spec)](spec, rng, size, length, index, self)
 
     def encode_draft(self, draft: Draft) -> tuple[str, list[int]]:
-        text = self.prompt.render(draft.text, draft.answer_prefix)
-        return text, list(self.tokenizer.encode(text))
+        return self.encode_drafts([draft])[0]
+
+    def encode_drafts(self, drafts: list[Draft]) -> list[tuple[str, list[int]]]:
+        """Each draft's prompt text and tokens; several at once through the tokenizer's
+        `encode_batch` (in parallel inside `tokenizers`) where it has one."""
+        texts = [self.prompt.render(d.text, d.answer_prefix) for d in drafts]
+        batch = getattr(self.tokenizer, "encode_batch", None)
+        ids = batch(texts) if batch is not None and len(texts) > 1 else [
+            self.tokenizer.encode(t) for t in texts]
+        return [(text, list(tokens)) for text, tokens in zip(texts, ids)]
 
     def too_short(self, spec: TaskSpec, length: int, tokens: int) -> UserError:
         need = tokens + spec.tokens_to_generate
@@ -188,45 +246,85 @@ class Context:
 
     def fitted(self, spec: TaskSpec, length: int) -> Fitted:
         """The haystack size for (spec, length), searched on the probe prompt; cached."""
-        key = ("fit", spec, length, self.prompt.key, self.seed, self._tokenizer_key)
-        if key in self.cache:
-            return self.cache[key]
-        budget = length - spec.tokens_to_generate
+        self.fit_all([(spec, length)])
+        return self.cache[self._fit_key(spec, length)]
 
-        def measure(size: int) -> tuple[int, None]:
-            rng = probe_rng(self.seed, spec.name, length)
-            return len(self.encode_draft(self.draft(spec, rng, size, length, 0))[1]), None
+    def _fit_key(self, spec: TaskSpec, length: int) -> tuple:
+        return ("fit", spec, length, self.prompt.key, self.seed, self._tokenizer_key)
 
-        floor = spec.min_size(length)
-        base = measure(floor)[0]
-        if base > budget:
-            raise self.too_short(spec, length, base)
-        probe = measure(floor + spec.probe_size)[0]
-        per_unit = max(1e-3, (probe - base) / spec.probe_size)
-        start = floor + int((budget - base) / per_unit)
-        size = largest_fitting(measure, budget, start, per_unit, floor,
-                               tolerance=math.ceil(per_unit))[0]
-        self.cache[key] = Fitted(size, per_unit)
-        return self.cache[key]
+    def fit_all(self, pairs: list[tuple[TaskSpec, int]]) -> None:
+        """`fitted` for every (spec, length) not cached yet, their searches in lockstep: the
+        smallest size (over the budget: `too_short`), a probe size for tokens per unit, then
+        `fitting_search`."""
+        todo = [p for p in dict.fromkeys(pairs) if self._fit_key(*p) not in self.cache]
+        if not todo:
+            return
+
+        def probe(i: int, size: int) -> Draft:
+            spec, length = todo[i]
+            return self.draft(spec, probe_rng(self.seed, spec.name, length), size, length, 0)
+
+        def counts(asked: list[tuple[int, int]]) -> list[int]:
+            return [len(ids) for _, ids in self.encode_drafts([probe(i, n) for i, n in asked])]
+
+        first = counts([(i, spec.min_size(length) + extra) for i, (spec, length) in
+                        enumerate(todo) for extra in (0, spec.probe_size)])
+        searches, rates = [], []
+        for i, (spec, length) in enumerate(todo):
+            base, probed = first[2 * i], first[2 * i + 1]
+            budget, floor = length - spec.tokens_to_generate, spec.min_size(length)
+            if base > budget:
+                raise self.too_short(spec, length, base)
+            per_unit = max(1e-3, (probed - base) / spec.probe_size)
+            rates.append(per_unit)
+            searches.append(fitting_search(budget, floor + int((budget - base) / per_unit),
+                                           per_unit, floor, tolerance=math.ceil(per_unit)))
+        for pair, found, per_unit in zip(todo, run_searches(searches, counts), rates):
+            self.cache[self._fit_key(*pair)] = Fitted(found[0], per_unit)
 
     def sample(self, spec: TaskSpec, length: int, index: int) -> Sample:
         """Sample `index` of `spec` at `length`: the fitted size, adjusted for this prompt."""
-        fitted = self.fitted(spec, length)
-        budget = length - spec.tokens_to_generate
+        return self.samples([(spec, length, index)])[0]
 
-        def measure(size: int) -> tuple[int, tuple[Draft, str, list[int]]]:
-            rng = sample_rng(self.seed, spec.name, length, index)
-            draft = self.draft(spec, rng, size, length, index)
-            text, ids = self.encode_draft(draft)
-            return len(ids), (draft, text, ids)
+    def samples(self, items: list[tuple[TaskSpec, int, int]],
+                done: Callable[[int], None] | None = None) -> list[Sample]:
+        """`sample` for every (spec, length, index), their searches in lockstep (prompts
+        encoded together): the same samples as one by one. `done(i)` as item i is final."""
+        self.fit_all([(spec, length) for spec, length, _ in items])
+        searches = []
+        for spec, length, _ in items:
+            fitted = self.fitted(spec, length)
+            budget = length - spec.tokens_to_generate
+            slack = max(math.ceil(fitted.per_unit), int(SAMPLE_SLACK * budget))
+            searches.append(fitting_search(budget, fitted.size, fitted.per_unit,
+                                           spec.min_size(length), slack))
+        kept: dict[int, tuple[int, Draft, str, list[int]]] = {}  # the largest fitting so far
 
-        floor = spec.min_size(length)
-        slack = max(math.ceil(fitted.per_unit), int(SAMPLE_SLACK * budget))
-        found = largest_fitting(measure, budget, fitted.size, fitted.per_unit, floor, slack)
-        if found is None:
-            raise self.too_short(spec, length, measure(floor)[0])
-        draft, text, ids = found[2]
-        return Sample(task=spec.name, length=length, index=index, input=text,
-                      answer_prefix=draft.answer_prefix, prompt_ids=ids,
-                      references=list(draft.references), max_new_tokens=spec.tokens_to_generate,
-                      metric=spec.metric)
+        def counts(asked: list[tuple[int, int]]) -> list[int]:
+            drafts = []
+            for i, size in asked:
+                spec, length, index = items[i]
+                rng = sample_rng(self.seed, spec.name, length, index)
+                drafts.append(self.draft(spec, rng, size, length, index))
+            encoded = self.encode_drafts(drafts)
+            for (i, size), draft, (text, ids) in zip(asked, drafts, encoded):
+                spec, length, _ = items[i]
+                if len(ids) <= length - spec.tokens_to_generate and size > kept.get(i, (-1,))[0]:
+                    kept[i] = (size, draft, text, ids)
+            return [len(ids) for _, ids in encoded]
+
+        out = []
+        for i, found in enumerate(run_searches(searches, counts, done)):
+            spec, length, index = items[i]
+            if found is None:
+                floor = spec.min_size(length)
+                rng = sample_rng(self.seed, spec.name, length, index)
+                raise self.too_short(spec, length, len(self.encode_draft(
+                    self.draft(spec, rng, floor, length, index))[1]))
+            size, draft, text, ids = kept[i]
+            assert size == found[0], (size, found)  # the search's answer is the largest fitting
+            out.append(Sample(task=spec.name, length=length, index=index, input=text,
+                              answer_prefix=draft.answer_prefix, prompt_ids=ids,
+                              references=list(draft.references),
+                              max_new_tokens=spec.tokens_to_generate, metric=spec.metric))
+        return out

@@ -146,15 +146,10 @@ def build_samples(task_specs: Sequence[TaskSpec], lengths: Sequence[int],
                         "the validation corpus decoded to text)")
     ctx = Context(tokenizer, seed, PromptFormat(template, chat_template, chat_variables),
                   text_source, vocab_words, cache)
-    samples = []
-    total = len(task_specs) * len(lengths) * samples_per_task
-    with tqdm(total=total, desc="RULER samples", leave=False, disable=not progress) as bar:
-        for spec in task_specs:
-            for length in lengths:
-                for index in range(samples_per_task):
-                    samples.append(ctx.sample(spec, length, index))
-                    bar.update()
-    return samples
+    items = [(spec, length, index) for spec in task_specs for length in lengths
+             for index in range(samples_per_task)]
+    with tqdm(total=len(items), desc="RULER samples", leave=False, disable=not progress) as bar:
+        return ctx.samples(items, done=lambda _: bar.update())
 
 
 def _record(sample: Sample) -> dict:
