@@ -195,8 +195,8 @@ def finetune(args: argparse.Namespace) -> None:
     last = train(cfg, run)
     print(f"fine-tune: {args.ft_steps} steps in {time.perf_counter() - start:.0f} s; last row "
           f"{last}", flush=True)
-    evaluate("dca_finetuned", run / "checkpoints", [], [t, 2 * t, 4 * t], args.samples, args,
-             Path(args.out))
+    evaluate(f"dca_finetuned_{args.ft_length}T", run / "checkpoints", [], [t, 2 * t, 4 * t],
+             args.samples, args, Path(args.out))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     quality.main(["finetune"] + common + ["--ft-steps", "2", "--ft-batch", "1"])
     rows = json.loads((out / "quality.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["dca", "standard", "yarn", "dca_c=T",
-                                           "dca_finetuned"]
+                                           "dca_finetuned_2T"]
     assert rows[0]["attention"]["dca_chunk_size"] == 3 * T // 4  # the default split
     assert rows[0]["attention"]["dca_local_size"] == T // 16
     assert rows[3]["attention"]["dca_chunk_size"] == T
@@ -42,6 +42,6 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     assert all(list(r["ruler"]["averages"]) == [str(T), str(2 * T), str(4 * T)] for r in rows)
     assert rows[0]["samples"] == 2 and rows[1]["samples"] == 1
     table = (out / "quality.md").read_text()
-    assert table.count("\n") == 2 + len(rows) and "dca_finetuned" in table
+    assert table.count("\n") == 2 + len(rows) and "dca_finetuned_2T" in table
     assert (out / "quality.png").stat().st_size > 0
     assert quality.report(out / "quality.json") == table
