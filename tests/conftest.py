@@ -120,6 +120,33 @@ def assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path: Path, common: list[st
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
 
 
+def refused_by_trainer_main(args: list[str], capsys: pytest.CaptureFixture,
+                            monkeypatch: pytest.MonkeyPatch, cwd: Path,
+                            env: dict[str, str] | None = None) -> tuple[int, str]:
+    """What `python -m trainer ARGS` does with a setting it refuses before the process group
+    (`trainer.__main__.main`: compose, then `check_early`), run in this process: its exit
+    status and output. Whether the command line ends so as a new interpreter, under torchrun
+    too, is tests/trainer/test_entry_errors.py's; this checks the setting's own refusal takes
+    that path, without ~7 s of a new interpreter or the forkserver's start."""
+    import trainer.__main__ as entry
+
+    def not_refused(*_: Any) -> None:
+        raise AssertionError(f"python -m trainer {' '.join(args)} passed its early checks")
+
+    for name in ("HYDRA_FULL_ERROR", "LONGCTX_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["trainer", *args])
+    monkeypatch.setattr(entry, "_agree_on_run_dir", not_refused)  # would wait for rank 1
+    monkeypatch.setattr(entry, "run", not_refused)
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    out = capsys.readouterr()
+    return exit_.value.code, out.out + out.err
+
+
 @pytest.fixture
 def single_process():
     """megatron's parallel state for one CPU process (tp=1), torn down afterwards."""
