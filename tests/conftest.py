@@ -60,6 +60,28 @@ FAST = [
 ]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns `-n` into `--dist load`
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`-n N` without `--dist`: pytest-xdist's `loadscope`, a test module at a time, in the order
+    pytest_collection_modifyitems gives (`--dist` given on the command line stays as given).
+    Under `load` a module's tests go to both workers, and a module-scoped fixture (a
+    multi-process spawn, a trained checkpoint) is built by each; the README's commands wait for
+    the earlier commands they need, running on the other worker. (`loadgroup` would group
+    only those, but its grouping does not take with pytest 9.2.)"""
+    if config.getoption("numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadscope"
+        config.option.loadscopereorder = False  # the order below, not the largest module first
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with slow tests first (stable: each module's tests stay together, in their
+    order): the last modules handed out are short ones, so both workers finish together
+    instead of one running a 30 s test alone at the end."""
+    slow = {item.nodeid.split("::")[0] for item in items
+            if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+
+
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The run's config exactly as `python -m trainer <overrides>` composes it."""
     from hydra import compose, initialize_config_dir
