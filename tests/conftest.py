@@ -30,16 +30,19 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(
         1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# torch, megatron (parallel.*) and the rest of the trainer are imported where they are used, not
+# here: under pytest-xdist the controlling process loads this file too, and it runs no test, so
+# ~7 s of imports there would only delay the workers' start (they import them as they collect).
+import multiprocessing as mp  # what torch.multiprocessing re-exports: one forkserver either way
+from typing import TYPE_CHECKING
+
 import psutil
 import pytest
-import torch
-import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from parallel.distributed import init_process_group, initialize_parallel, shutdown
-from parallel.lifetime import stop_processes
 from trainer.config import CONF_DIR, register_configs
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 register_configs()
 
@@ -57,8 +60,32 @@ FAST = [
 ]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns `-n` into `--dist load`
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`-n N` without `--dist`: pytest-xdist's `loadscope`, a test module at a time, in the order
+    pytest_collection_modifyitems gives (`--dist` given on the command line stays as given).
+    Under `load` a module's tests go to both workers, and a module-scoped fixture (a
+    multi-process spawn, a trained checkpoint) is built by each; the README's commands wait for
+    the earlier commands they need, running on the other worker. (`loadgroup` would group
+    only those, but its grouping does not take with pytest 9.2.)"""
+    if config.getoption("numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadscope"
+        config.option.loadscopereorder = False  # the order below, not the largest module first
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with slow tests first (stable: each module's tests stay together, in their
+    order): the last modules handed out are short ones, so both workers finish together
+    instead of one running a 30 s test alone at the end."""
+    slow = {item.nodeid.split("::")[0] for item in items
+            if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+
+
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The run's config exactly as `python -m trainer <overrides>` composes it."""
+    from hydra import compose, initialize_config_dir
+
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides or [])
 
@@ -115,9 +142,40 @@ def assert_tp2_checkpoint_resumes_at_tp1_and_tp2(tmp_path: Path, common: list[st
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
 
 
+def refused_by_trainer_main(args: list[str], capsys: pytest.CaptureFixture,
+                            monkeypatch: pytest.MonkeyPatch, cwd: Path,
+                            env: dict[str, str] | None = None) -> tuple[int, str]:
+    """What `python -m trainer ARGS` does with a setting it refuses before the process group
+    (`trainer.__main__.main`: compose, then `check_early`), run in this process: its exit
+    status and output. Whether the command line ends so as a new interpreter, under torchrun
+    too, is tests/trainer/test_entry_errors.py's; this checks the setting's own refusal takes
+    that path, without ~7 s of a new interpreter or the forkserver's start."""
+    import trainer.__main__ as entry
+
+    def not_refused(*_: Any) -> None:
+        raise AssertionError(f"python -m trainer {' '.join(args)} passed its early checks")
+
+    for name in ("HYDRA_FULL_ERROR", "LONGCTX_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["trainer", *args])
+    monkeypatch.setattr(entry, "_agree_on_run_dir", not_refused)  # would wait for rank 1
+    monkeypatch.setattr(entry, "run", not_refused)
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    out = capsys.readouterr()
+    return exit_.value.code, out.out + out.err
+
+
 @pytest.fixture
 def single_process():
     """megatron's parallel state for one CPU process (tp=1), torn down afterwards."""
+    import torch
+
+    from parallel.distributed import initialize_parallel, shutdown
+
     initialize_parallel(torch.device("cpu"), tp=1, seed=0)
     yield
     shutdown()
@@ -157,6 +215,10 @@ def free_port() -> int:
 
 def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int | None,
             args: tuple) -> None:
+    import torch
+
+    from parallel.distributed import init_process_group, initialize_parallel, shutdown
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # few cores: one thread per process
@@ -181,8 +243,10 @@ mp.set_forkserver_preload(["tests.conftest", "trainer.train", "trainer.eval", "t
 def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> None:
     """Run `fn(*args)` on `world` gloo processes at TP size `tp` (None: a process group only);
     a failure in any raises here."""
-    mp.start_processes(_worker, args=(fn, world, free_port(), tp, args), nprocs=world,
-                       start_method="forkserver")
+    import torch.multiprocessing
+
+    torch.multiprocessing.start_processes(_worker, args=(fn, world, free_port(), tp, args),
+                                          nprocs=world, start_method="forkserver")
 
 
 def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
@@ -209,6 +273,8 @@ def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err:
     os.environ.clear()
     os.environ.update(env)
     if threads:
+        import torch
+
         torch.set_num_threads(threads)
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -356,8 +422,12 @@ def forked_workers(fn: Callable[..., None], args: tuple, nprocs: int,
     (`_checkpoint_workers_forked`), or in a command `start_module` runs with
     `fork_ckpt_workers`. Not `run_workers` itself: its workers check that their parent is the
     process that started them, and a forkserver's children have the server as their parent."""
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
-                                 start_method=start_method)
+    import torch.multiprocessing
+
+    from parallel.lifetime import stop_processes
+
+    context = torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                                                    start_method=start_method)
     try:
         while not context.join():
             pass

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckpt.reader import Checkpoint
-from tests.conftest import FAST, compose_config, read_metrics, run_module, spawn
+from tests.conftest import FAST, compose_config, read_metrics, refused_by_trainer_main, spawn
 from trainer.errors import UserError
 from trainer.validate import validate_train
 
@@ -138,12 +138,13 @@ def test_the_overlap_settings_pass_validation() -> None:
     assert compose_config(COMMON).trainer.overlap_grad_reduce  # the default
 
 
-def test_a_refused_setting_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
-    proc = run_module("trainer", COMMON + ["hydra.run.dir=run",
-                                           "trainer.overlap_param_gather=true"],
-                      tmp_path, {"HYDRA_FULL_ERROR": None, "LONGCTX_DEBUG": None}, timeout=120)
-    output = proc.stdout + proc.stderr
+def test_a_refused_setting_is_one_error_line_and_exit_2(tmp_path: Path, capsys,
+                                                      monkeypatch) -> None:
+    code, output = refused_by_trainer_main(
+        COMMON + ["hydra.run.dir=run", "trainer.overlap_param_gather=true"], capsys,
+        monkeypatch, tmp_path)
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2, output[-3000:]
+    assert code == 2, output[-3000:]
     assert len(errors) == 1 and "trainer.overlap_param_gather=true needs" in errors[0], output
     assert "Traceback" not in output, output[-3000:]
+    assert not (tmp_path / "run").exists()  # refused before Hydra's run directory

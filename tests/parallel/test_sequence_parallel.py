@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from models.config import LongContextConfig
 from models.fused_rmsnorm import FusedRMSNorm
-from tests.conftest import FAST, compose_config, run_module, spawn
+from tests.conftest import FAST, compose_config, refused_by_trainer_main, spawn
 from trainer.errors import UserError
 from trainer.validate import validate_eval, validate_train
 
@@ -102,14 +102,13 @@ def test_eval_refuses_sequence_parallelism(tmp_path: Path) -> None:
         validate_eval(cfg)
 
 
-def test_a_refused_combination_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
+def test_a_refused_combination_is_one_error_line_and_exit_2(tmp_path: Path, capsys,
+                                                         monkeypatch) -> None:
     """As rank 0 of two checks it, before the process group forms."""
-    proc = run_module("trainer", COMMON + ["hydra.run.dir=run", "parallel.tp=2",
-                                           "parallel.sequence_parallel=true"], tmp_path,
-                      {"WORLD_SIZE": "2", "RANK": "0", "HYDRA_FULL_ERROR": None,
-                       "LONGCTX_DEBUG": None}, timeout=120)
-    output = proc.stdout + proc.stderr
+    code, output = refused_by_trainer_main(
+        COMMON + ["hydra.run.dir=run", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        capsys, monkeypatch, tmp_path, {"WORLD_SIZE": "2", "RANK": "0"})
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2, output[-3000:]
+    assert code == 2, output[-3000:]
     assert len(errors) == 1 and "set trainer.fused_norm=true" in errors[0], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
