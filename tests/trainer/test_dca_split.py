@@ -60,7 +60,7 @@ class _NoSweep:
     mode = None
 
 
-def oracle(model, tokenizer, samples, options, progress=True):
+def oracle(model, tokenizer, samples, options, progress=True, phases=None):
     return [""] * len(samples)
 
 
