@@ -245,8 +245,16 @@ def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> No
     a failure in any raises here."""
     import torch.multiprocessing
 
-    torch.multiprocessing.start_processes(_worker, args=(fn, world, free_port(), tp, args),
-                                          nprocs=world, start_method="forkserver")
+    for attempt in range(3):
+        try:
+            torch.multiprocessing.start_processes(_worker, args=(fn, world, free_port(), tp, args),
+                                                  nprocs=world, start_method="forkserver")
+            return
+        except torch.multiprocessing.ProcessRaisedException as err:
+            # the free port was taken (another test's processes) before rank 0's store bound
+            # it: no rank got past the rendezvous, so another port is a clean start
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
 
 
 def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
