@@ -10,6 +10,7 @@ at composition; `trainer.entry.check_overrides` makes that one `error:` line.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -312,13 +313,19 @@ def moved_message(key: str, value: str | None = None) -> str:
 def check_known_keys(cfg: DictConfig) -> None:
     """Reject keys the schema lacks. Hydra's struct mode already stops `trainer.max_stepz=3`, but
     `+trainer.max_stepz=3` appends on purpose; a training run must not ignore it silently."""
-    unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
+    unknown = _unknown_keys(cfg, _schema())
     moved = [key for key in unknown if key in MOVED]
     if moved:
         raise UserError(moved_message(moved[0], str(OmegaConf.select(cfg, moved[0]))))
     if unknown:
         raise UserError(f"unknown config keys: {', '.join(unknown)}; see `python -m trainer "
                          "--cfg job` for the valid ones")
+
+
+@functools.cache
+def _schema() -> DictConfig:
+    """The typed schema, built once (only read: every key a config may have)."""
+    return OmegaConf.structured(TrainConfig)
 
 
 def _unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
