@@ -170,26 +170,34 @@ def check_functions(n: int) -> dict[str, dict[str, Any]]:
     return found
 
 
-def model_loss_and_grads(kind: str, tp: int,
-                         cp: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and parameter gradients of one fixed batch as DDP sees them after its reduction
-    over the CP ranks (the mean of the ranks' gradients); megatron's groups must be set up."""
+def backward_one_batch(kind: str, parallel: ParallelConfig,
+                       scale: float = 1.0) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The 2-layer model of `kind` at `parallel`, the training step's own forward and loss
+    (trainer/step.py) on one fixed batch, the loss times `scale` backpropagated: (loss, model
+    with its gradients). Megatron's groups must be set up."""
     gen = torch.Generator().manual_seed(1)
     batch = {"tokens": torch.randint(0, 256, (2, SEQ), generator=gen),
              "labels": torch.randint(0, 256, (2, SEQ), generator=gen),
              "loss_mask": torch.ones(2, SEQ)}
     model_cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                             num_query_groups=2, init_std=0.1)
-    config = transformer_config(model_cfg, AttentionConfig(**KINDS[kind]),
-                                ParallelConfig(tp=tp, cp=cp))
+    config = transformer_config(model_cfg, AttentionConfig(**KINDS[kind]), parallel)
     torch.manual_seed(7)  # CPU initialisation: the same weights (TP shards) at every CP size
     model = build_gpt(config, VOCAB, SEQ)
-    # The training step's own forward and loss function (trainer/step.py); megatron's schedule
-    # multiplies the loss by the CP size, so the mean over DDP's dp x cp ranks is the batch's.
     output, loss_func = _forward_step(torch.device("cpu"), 1, iter([batch]), model)
-    loss = loss_func(output)[0] * cp
+    loss = loss_func(output)[0] * scale
     loss.backward()
-    value = loss.detach().clone()
+    return loss.detach(), model
+
+
+def model_loss_and_grads(kind: str, tp: int,
+                         cp: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and parameter gradients of one fixed batch as DDP sees them after its reduction
+    over the CP ranks (the mean of the ranks' gradients); megatron's groups must be set up."""
+    # megatron's schedule multiplies the loss by the CP size, so the mean over DDP's dp x cp
+    # ranks is the batch's
+    loss, model = backward_one_batch(kind, ParallelConfig(tp=tp, cp=cp), scale=cp)
+    value = loss.clone()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     if cp > 1:
         for tensor in [value, *grads.values()]:

@@ -26,24 +26,21 @@ from omegaconf import OmegaConf
 
 from models.attention import context_parallel
 from models.attention.core import CoreAttention
-from models.gpt import build_gpt, transformer_config
-from models.schema import AttentionConfig, ModelConfig, ParallelConfig
+from models.schema import ParallelConfig
 from parallel.distributed import shutdown
 from parallel.placement import Layout
 from tests.conftest import compose_config, read_metrics, spawn
 from tests.models.test_context_parallel import (
     FUNCTIONS,
     KINDS,
-    SEQ,
-    VOCAB,
     WORLD,
+    backward_one_batch,
     cp_inputs,
     cp_slice,
     fresh_groups,
     train_overrides,
 )
 from trainer.resume import check_settings
-from trainer.step import _forward_step
 from trainer.train import train
 
 pytestmark = pytest.mark.timeout(600)  # a p2p mismatch would hang, not fail
@@ -129,22 +126,10 @@ def check_functions(n: int) -> dict[str, dict[str, Any]]:
 def model_loss_and_grads(kind: str, overlap: bool) -> tuple[torch.Tensor, dict[str, Any]]:
     """Loss and parameter gradients of one fixed batch at CP=2 (this rank's share), and the
     cp_overlap of every core attention the model built."""
-    gen = torch.Generator().manual_seed(1)
-    batch = {"tokens": torch.randint(0, 256, (2, SEQ), generator=gen),
-             "labels": torch.randint(0, 256, (2, SEQ), generator=gen),
-             "loss_mask": torch.ones(2, SEQ)}
-    model_cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                            num_query_groups=2, init_std=0.1)
-    config = transformer_config(model_cfg, AttentionConfig(**KINDS[kind]),
-                                ParallelConfig(cp=2, cp_overlap=overlap))
-    torch.manual_seed(7)
-    model = build_gpt(config, VOCAB, SEQ)
-    output, loss_func = _forward_step(torch.device("cpu"), 1, iter([batch]), model)
-    loss = loss_func(output)[0]
-    loss.backward()
+    loss, model = backward_one_batch(kind, ParallelConfig(cp=2, cp_overlap=overlap))
     cores = {m.cp_overlap for m in model.modules() if isinstance(m, CoreAttention)}
-    return loss.detach(), {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                           "cores": cores}
+    return loss, {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                  "cores": cores}
 
 
 def _all_checks(root: str) -> None:
