@@ -4,7 +4,7 @@ eval.suite=ruler) with every training-free method, then after a short DCA fine-t
     python bench/quality.py prepare --gguf MODEL.gguf --work W          # gguf-to-hf, import-hf
     python bench/quality.py training-free --work W --out OUT            # the methods at T..4T
     python bench/quality.py finetune --work W --out OUT                 # DCA fine-tune, suite
-    python bench/quality.py report OUT/quality.json                     # the table again
+    python bench/quality.py report OUT/quality.json [MORE.json ...] --out DIR  # one table, plot
 
 T is the model's own length (its max_position_embeddings). Methods: standard RoPE, PI, NTK-aware
 and YaRN (factor 4 at T..4T; YaRN also factor 8 at 8T), DCA with the default split (ChunkLlama's
@@ -95,7 +95,7 @@ def _append(out: Path, row: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"environment": meta, "rows": rows}, indent=1))
     os.replace(tmp, path)
-    report(path)
+    report([path], out)
 
 
 def _environment() -> dict:
@@ -108,9 +108,10 @@ def _environment() -> dict:
     return env
 
 
-def report(path: Path) -> str:
-    """quality.md (a method x length table of averages) and quality.png beside quality.json."""
-    rows = json.loads(path.read_text())["rows"]
+def report(paths: list[Path], out: Path) -> str:
+    """quality.md (a method x length table of averages) and quality.png in `out`, from the rows
+    of one or more quality.json files (in order)."""
+    rows = [r for path in paths for r in json.loads(path.read_text())["rows"]]
     lengths = sorted({int(n) for r in rows for n in r["ruler"]["averages"]})
     lines = ["| method | " + " | ".join(f"{n:,}" for n in lengths) + " | effective | s |",
              "| --- |" + " --- |" * (len(lengths) + 2)]
@@ -120,8 +121,9 @@ def report(path: Path) -> str:
             f"{avg[n]:.1f}" if n in avg else "" for n in lengths)
             + f" | {r['ruler']['effective_length'] or '-'} | {r['seconds']:.0f} |")
     text = "\n".join(lines) + "\n"
-    path.with_name("quality.md").write_text(text)
-    _plot(rows, path.with_name("quality.png"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.md").write_text(text)
+    _plot(rows, out / "quality.png")
     return text
 
 
@@ -202,7 +204,8 @@ def finetune(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("phase", choices=("prepare", "training-free", "finetune", "report"))
-    p.add_argument("path", nargs="?", help="report: the quality.json")
+    p.add_argument("paths", nargs="*", type=Path,
+                   help="report: quality.json files, their rows in one table and plot in --out")
     p.add_argument("--gguf", help="prepare: the model's GGUF file")
     p.add_argument("--work", default="outputs/quality/work",
                    help="models, checkpoints, eval runs")
@@ -222,7 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (tests)")
     args = p.parse_args(argv)
     if args.phase == "report":
-        print(report(Path(args.path)))
+        if not args.paths:
+            p.error("report needs at least one quality.json")
+        print(report(args.paths, Path(args.out)))
         return
     {"prepare": prepare, "training-free": training_free, "finetune": finetune}[args.phase](args)
 

@@ -44,4 +44,13 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     table = (out / "quality.md").read_text()
     assert table.count("\n") == 2 + len(rows) and "dca_finetuned_2T" in table
     assert (out / "quality.png").stat().st_size > 0
-    assert quality.report(out / "quality.json") == table
+    assert quality.report([out / "quality.json"], out) == table
+    # several runs' files: one table and one plot of all their rows, in order
+    (tmp_path / "b").mkdir()
+    other = tmp_path / "b" / "quality.json"
+    other.write_text(json.dumps({"rows": [dict(rows[0], method="dca_again")]}))
+    both = tmp_path / "both"
+    merged = quality.report([out / "quality.json", other], both)
+    assert merged.splitlines() == table.splitlines() + [table.splitlines()[2].replace(
+        "| dca |", "| dca_again |")]
+    assert (both / "quality.png").stat().st_size > 0
