@@ -55,7 +55,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_module, run_module_ranks
+from tests.conftest import REPO
+from tests.module_runs import run_module, run_module_ranks
 
 TRAIN = {"trainer.max_steps": "2", "trainer.seq_length": "64", "trainer.micro_batch_size": "2",
          "trainer.global_batch_size": "2", "trainer.warmup_steps": "1",

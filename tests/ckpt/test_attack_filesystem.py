@@ -17,7 +17,7 @@ from ckpt import disk
 from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from ckpt.paths import TRACKER
-from tests.conftest import run_module
+from tests.module_runs import run_module
 
 
 def _export(root: Path, dst: Path, *extra: str) -> int:

@@ -21,7 +21,7 @@ import ckpt.hf_import
 from ckpt.__main__ import main
 from tests.ckpt.cli import refused
 from tests.ckpt.hf_models import save_hf
-from tests.conftest import run_module
+from tests.module_runs import run_module
 
 INDEX = "model.safetensors.index.json"
 

@@ -24,7 +24,8 @@ from ckpt.__main__ import main
 from ckpt.destination import DestinationError, staged
 from ckpt.paths import TRACKER
 from tests.ckpt.cli import refused
-from tests.conftest import FAST, held_elsewhere, run_module
+from tests.conftest import FAST, held_elsewhere
+from tests.module_runs import run_module
 
 
 def _live_root(root: Path, tmp_path: Path) -> Path:

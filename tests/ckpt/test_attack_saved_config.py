@@ -21,7 +21,8 @@ from ckpt.checksums import checkpoint_files, digests, write_manifest
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint
 from ckpt.saved_config import SavedConfigError, read_saved_config
-from tests.conftest import FAST, REPO, compose_config, run_module
+from tests.conftest import FAST, REPO, compose_config
+from tests.module_runs import run_module
 
 SECRET = "s3cr3t-from-the-environment"
 

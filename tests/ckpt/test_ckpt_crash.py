@@ -13,7 +13,8 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from ckpt.__main__ import main
 from ckpt.paths import checkpoint_name, resolve_checkpoint
-from tests.conftest import FAST, ModuleRun, alive, compose_config, read_metrics, start_module
+from tests.conftest import FAST, alive, compose_config, read_metrics
+from tests.module_runs import ModuleRun, start_module
 from trainer.train import Trainer
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ModuleRun, alive, start_module
+from tests.conftest import alive
+from tests.module_runs import ModuleRun, start_module
 
 pytestmark = pytest.mark.slow
 

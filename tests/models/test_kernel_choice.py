@@ -14,7 +14,8 @@ import torch
 from models.attention import kernels
 from models.attention.causal import causal_attention
 from models.attention.lse_attention import _backend
-from tests.conftest import FAST, run_module
+from tests.conftest import FAST
+from tests.module_runs import run_module
 from trainer.errors import UserError
 from trainer.validate import check_kernel
 

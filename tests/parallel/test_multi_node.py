@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from ckpt.reader import Checkpoint
-from tests.conftest import FAST, free_port, own_session, read_metrics, run_module, run_module_ranks
+from tests.conftest import FAST, free_port, own_session, read_metrics
+from tests.module_runs import run_module, run_module_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -18,14 +18,8 @@ import ckpt.save
 from ckpt import disk
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER
-from tests.conftest import (
-    FAST,
-    REPO,
-    ModuleRun,
-    compose_config,
-    held_elsewhere,
-    start_module,
-)
+from tests.conftest import FAST, REPO, compose_config, held_elsewhere
+from tests.module_runs import ModuleRun, start_module
 from trainer.errors import UserError
 from trainer.train import train
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_module
+from tests.module_runs import run_module
 from trainer.run_dir import RunDirError, check_not_another_jobs
 
 

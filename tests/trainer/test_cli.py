@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 
 from ckpt.paths import resolve_checkpoint
-from tests.conftest import (
-    FAST,
-    assert_tp2_checkpoint_resumes_at_tp1_and_tp2,
-    read_metrics,
-    run_module,
-    run_module_ranks,
-)
+from tests.conftest import FAST, assert_tp2_checkpoint_resumes_at_tp1_and_tp2, read_metrics
+from tests.module_runs import run_module, run_module_ranks
 
 pytestmark = pytest.mark.slow
 

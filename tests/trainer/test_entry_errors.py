@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, run_module
+from tests.conftest import FAST
+from tests.module_runs import run_module
 from trainer.entry import check_overrides, exits_on_user_error
 from trainer.errors import UserError
 

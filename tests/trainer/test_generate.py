@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from tests.ckpt.longctx_models import CHUNK, VARIANTS, write_variant
-from tests.conftest import run_module
+from tests.module_runs import run_module
 from trainer.config import CONF_DIR
 from trainer.generate import generate
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from ckpt.paths import resolve_checkpoint
-from tests.conftest import FAST, read_metrics, run_cli, run_module_ranks
+from tests.conftest import FAST, read_metrics, run_cli
+from tests.module_runs import run_module_ranks
 
 pytestmark = pytest.mark.slow
 

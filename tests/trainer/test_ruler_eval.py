@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.ckpt.longctx_models import write_variant
-from tests.conftest import compose_config, run_module
+from tests.conftest import compose_config
+from tests.module_runs import run_module
 from trainer.errors import UserError
 from trainer.evals import ruler_run
 from trainer.validate import validate_eval

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, ModuleRun, read_metrics, run_module_ranks, start_module
+from tests.conftest import FAST, read_metrics
+from tests.module_runs import ModuleRun, run_module_ranks, start_module
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import pytest
 
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER, checkpoint_name
-from tests.conftest import FAST, ModuleRun, own_session, read_metrics, start_module
+from tests.conftest import FAST, own_session, read_metrics
+from tests.module_runs import ModuleRun, start_module
 
 pytestmark = pytest.mark.slow
 
