@@ -26,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from models.attention import fa4_api
 from models.options import AttentionKernel
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def fa4_module() -> ModuleType | None:
         try:
             from flash_attn.cute import interface  # ~10 s on first import
             _state["fa4"] = interface
+            fa4_api.check_version()
         except Exception as exc:  # ImportError, or a broken CUDA/DSL install underneath
             _state["fa4_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return _state["fa4"]  # type: ignore[return-value]

@@ -19,7 +19,7 @@ The queries may be the last rows of the keys' (FA4's bottom-right causal alignme
 kernel gives those queries' complete dq and their share of dk and dv, so a backward may run in
 pieces of query rows (grouped.backward, on short sequences or where groups of heads do not
 bound its memory enough): a later piece's kernel adds its dK/dV to the earlier pieces' in place
-(TMA reduce-add stores, `_stores_add`), or with GQA every piece's into one pair of float32 sums
+(TMA reduce-add stores, `_reduce_add_call`), or with GQA every piece's into one pair of float32 sums
 (`kv_accumulators`, `store_kv`). A group of heads is one such backward on views of its heads.
 
 Needs the chunk length L and the query and key rows to be multiples of 128 (every tile then
@@ -30,10 +30,9 @@ kernels.fa4_applies.
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import inspect
 import types
-from collections.abc import Iterator
 
 import torch
 
@@ -170,8 +169,12 @@ def _accumulator_layout(head_dim: int, head_dim_v: int):  # noqa: ANN202
 
 
 @functools.cache
-def _kernel_class() -> type:
-    """DCABackwardSm90, defined on first use (it subclasses FA4's kernel)."""
+def _kernel_class(add_dkv: bool = False) -> type:
+    """DCABackwardSm90, defined on first use (it subclasses FA4's kernel); add_dkv: its
+    subclass whose dK/dV stores add to what is there (`_reduce_add_call`)."""
+    if add_dkv:
+        base = _kernel_class()
+        return type("DCABackwardAddSm90", (base,), {"__call__": _reduce_add_call(base)})
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
@@ -201,10 +204,10 @@ def _kernel_class() -> type:
                 producer_state_dO = cutlass.pipeline.make_pipeline_state(
                     cutlass.pipeline.PipelineUserType.Producer, self.dO_stage)
                 batches = cute.size(mK.shape[3])
-                tile_scheduler = TileSchedulerCls()
-                work_tile = tile_scheduler.initial_work_tile_info()
-                while work_tile.is_valid_tile:
-                    n_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                scheduler = TileSchedulerCls()
+                tile = scheduler.initial_work_tile_info()
+                while tile.is_valid_tile:  # one key tile (n block) of one head at a time
+                    n_block, head_idx, batch_idx, _ = tile.tile_idx
                     seqlen = SeqlenInfoCls(batch_idx)
                     head_idx_kv = (head_idx if cutlass.const_expr(self.qhead_per_kvhead == 1)
                                    else head_idx // qhead_per_kvhead_divmod)
@@ -222,13 +225,12 @@ def _kernel_class() -> type:
                         tma_atom_K, 0, cute.make_layout(1), gK, sK, single_stage=True)
                     load_V, _, _ = copy_utils.tma_get_copy_fn(
                         tma_atom_V, 0, cute.make_layout(1), gV, sV, single_stage=True)
-                    load_dO, _, _ = copy_utils.tma_get_copy_fn(
-                        tma_atom_dO, 0, cute.make_layout(1), gdO, sdO)
-                    load_dO = copy_utils.tma_producer_copy_fn(load_dO, pipeline_dO)
-                    load_LSE = copy_utils.cpasync_bulk_get_copy_fn(gLSE, sLSE)
-                    load_LSE = copy_utils.tma_producer_copy_fn(load_LSE, pipeline_Q)
-                    load_dPsum = copy_utils.cpasync_bulk_get_copy_fn(gdPsum, sdPsum)
-                    load_dPsum = copy_utils.tma_producer_copy_fn(load_dPsum, pipeline_dO)
+                    # LSE rides on Q's barrier, dPsum on dO's
+                    load_LSE = self._row_stat_loader(gLSE, sLSE, pipeline_Q)
+                    load_dPsum = self._row_stat_loader(gdPsum, sdPsum, pipeline_dO)
+                    load_dO = copy_utils.tma_producer_copy_fn(
+                        copy_utils.tma_get_copy_fn(tma_atom_dO, 0, cute.make_layout(1), gdO,
+                                                   sdO)[0], pipeline_dO)
                     m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                     for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                         part = self.part_of(seqlen, m_block, n_block)
@@ -259,19 +261,26 @@ def _kernel_class() -> type:
                         load_dPsum(m_block, producer_state=state_dO)
                         producer_state_Q.advance()
                         producer_state_dO.advance()
-                    tile_scheduler.prefetch_next_work()
-                    tile_scheduler.advance_to_next_work()
-                    work_tile = tile_scheduler.get_current_work()
+                    scheduler.prefetch_next_work()
+                    scheduler.advance_to_next_work()
+                    tile = scheduler.get_current_work()
+
+        @staticmethod
+        def _row_stat_loader(gmem, smem, pipe):
+            """A bulk copy of one m block's row statistic (LSE or dPsum) from `gmem` into
+            `smem`, counted on `pipe`'s barrier: call it with (m_block, producer_state=...)."""
+            return copy_utils.tma_producer_copy_fn(
+                copy_utils.cpasync_bulk_get_copy_fn(gmem, smem), pipe)
 
         @cute.jit
         def dQaccum_store(self, mdQaccum, sdQaccum, block_info, TileSchedulerCls,
                           SeqlenInfoCls, blocksparse_tensors=None, mdQ_semaphore=None):
             # FA4's non-deterministic dQ store, into the block's part's accumulator
             batches = cute.size(mdQaccum.shape[2]) // self.parts
-            tile_scheduler = TileSchedulerCls()
-            work_tile = tile_scheduler.initial_work_tile_info()
-            while work_tile.is_valid_tile:
-                n_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            scheduler = TileSchedulerCls()
+            tile = scheduler.initial_work_tile_info()
+            while tile.is_valid_tile:
+                n_block, head_idx, batch_idx, _ = tile.tile_idx
                 seqlen = SeqlenInfoCls(batch_idx)
                 m_block_min, m_block_max = block_info.get_m_block_min_max(seqlen, n_block)
                 for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -299,8 +308,8 @@ def _kernel_class() -> type:
                                 gdQaccum[(None, wg), m_block].iterator,
                                 self.tma_copy_bytes["dQ"])
                         cute.arch.cp_async_bulk_commit_group()
-                tile_scheduler.advance_to_next_work()
-                work_tile = tile_scheduler.get_current_work()
+                scheduler.advance_to_next_work()
+                tile = scheduler.get_current_work()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     return DCABackwardSm90
@@ -319,11 +328,10 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
            successive_rows, add_dkv)
     if key not in cache:
         import cutlass.cute as cute
-        from flash_attn.cute import flash_bwd_sm90
         from flash_attn.cute import interface as fa
 
         cfg, _ = _accumulator_layout(head_dim, head_dim_v)
-        kernel = _kernel_class()(
+        kernel = _kernel_class(add_dkv)(
             dtype, head_dim, head_dim_v, qhead_per_kvhead, True, is_local=False,
             deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
             Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS,
@@ -333,25 +341,43 @@ def _compiled(dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, leng
             V_in_regs=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
             length=length, parts=parts, successive_rows=successive_rows)
         cute_tensors = [fa.to_cute_tensor(t) for t in tensors]
-        with _stores_add(flash_bwd_sm90) if add_dkv else contextlib.nullcontext():
-            cache[key] = cute.compile(
-                kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
-                None, fa.AuxData(None, None), None, None,
-                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                options="--enable-tvm-ffi")
+        cache[key] = cute.compile(
+            kernel, *cute_tensors, scale, None, None, None, None, None, None, None, None,
+            None, fa.AuxData(None, None), None, None,
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi")
     return cache[key]
 
 
-@contextlib.contextmanager
-def _stores_add(module: types.ModuleType) -> Iterator[None]:
-    """While a kernel compiles (its Python is traced then): FA4's SM90 backward builds its dK
-    and dV TMA stores from `cpasync.CopyBulkTensorTileS2GOp()` in its __call__ and nothing
-    else from that op; make them reduce-adds (cp.reduce.async.bulk.tensor .add, bf16/fp16),
-    so the backward's later pieces add their dK/dV to the earlier pieces' in place."""
-    cpasync = module.cpasync
-    module.cpasync = types.SimpleNamespace(
-        **{**vars(cpasync), "CopyBulkTensorTileS2GOp": cpasync.CopyReduceBulkTensorTileS2GOp})
-    try:
-        yield
-    finally:
-        module.cpasync = cpasync
+def _reduce_add_call(kernel_class: type):  # noqa: ANN202
+    """FA4's SM90 backward `__call__` for `kernel_class`, with dK and dV stored by TMA
+    reduce-adds (cp.reduce.async.bulk.tensor .add, bf16/fp16) in place of plain TMA stores, so
+    the backward's later pieces add their dK/dV to the earlier pieces' in place.
+
+    That __call__ builds the dK/dV stores from `cpasync.CopyBulkTensorTileS2GOp()` and nothing
+    else from that op, so this is its code with its own globals: FA4's module's, `cpasync` a
+    copy whose tile store is the reduce-add one. FA4's module is left as it is (other kernels
+    compiling meanwhile see the plain stores); the DSL traces this function from FA4's source
+    in those globals (it reads `__globals__`)."""
+    import cutlass.cute as cute
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+
+    assert issubclass(kernel_class, FlashAttentionBackwardSm90)
+    assert "__call__" not in vars(kernel_class)  # FA4's is the one to copy
+    function = inspect.unwrap(FlashAttentionBackwardSm90.__call__)
+    code = getattr(function, "_original_code", function.__code__)  # the DSL's before rewriting
+    scope = dict(function.__globals__)
+    tma = scope["cpasync"]
+    if "CopyBulkTensorTileS2GOp" not in code.co_names or not hasattr(
+            tma, "CopyReduceBulkTensorTileS2GOp"):
+        raise RuntimeError("FA4's SM90 backward no longer builds its dK/dV stores as "
+                           "models/attention/fa4_api.py records: the DCA backward kernel "
+                           "cannot add them")
+    scope["cpasync"] = types.SimpleNamespace(
+        **{**vars(tma), "CopyBulkTensorTileS2GOp": tma.CopyReduceBulkTensorTileS2GOp})
+    own = types.FunctionType(code, scope, function.__name__, function.__defaults__,
+                             function.__closure__)
+    own.__kwdefaults__ = function.__kwdefaults__
+    own.__annotations__ = dict(function.__annotations__)
+    own.__qualname__, own.__module__ = function.__qualname__, function.__module__
+    return cute.jit(own)

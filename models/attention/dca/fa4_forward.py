@@ -98,33 +98,14 @@ def _kernel_class() -> type:
             mQ, mO, mK, mV = [layout_utils.select(t, [1, 3, 2, 0]) for t in (mQ, mO, mK, mV)]
             mLSE = layout_utils.select(mLSE, [2, 1, 0])
             tiled_mma_qk, tiled_mma_pv = self._get_tiled_mma()
-            self.num_mma_threads = tiled_mma_qk.size
-            self.num_threads_per_warp_group = 128
-            self.num_wg_mma = self.num_mma_threads // self.num_threads_per_warp_group
-            self.num_threads = self.num_threads_per_warp_group * (self.num_wg_mma + 1)
-            self.num_producer_threads = 32
-            self.num_Q_load_threads = self.num_threads_per_warp_group
-            self.num_epilogue_threads = self.num_mma_threads
-            self.num_mma_regs, self.num_producer_regs = {
-                1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.num_wg_mma]
+            self._set_threads(tiled_mma_qk.size)
             self.use_block_sparsity = False
             self.use_scheduler_barrier = self.num_wg_mma >= 2 and self.tile_hdim <= 128
             self.use_tma_Q = self.use_tma_O = True
             self.rescale_O_before_gemm = self.tile_hdimv > 128
             self._setup_attributes()
-            self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout = [
-                sm90_utils.make_smem_layout(mX.element_type, LayoutEnum.ROW_MAJOR, shape, stage)
-                for mX, shape, stage in [
-                    (mQ, (self.tile_m, self.tile_hdim), None),
-                    (mK, (self.tile_n, self.tile_hdim), self.num_stages),
-                    (mV, (self.tile_n, self.tile_hdimv), self.num_stages),
-                    (mO, (self.tile_m, self.tile_hdimv), None),
-                ]
-            ]
-            self.sP_layout = None
-            if const_expr(not self.mma_pv_is_rs):
-                self.sP_layout = sm90_utils.make_smem_layout(
-                    mV.element_type, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n))
+            self._set_smem_layouts(mQ.element_type, mK.element_type, mV.element_type,
+                                   mO.element_type)
             SharedStorage = self._get_shared_storage_cls()
             self.tma_copy_bytes = {
                 name: cute.size_in_bytes(mX.element_type, cute.select(layout, mode=[0, 1]))
@@ -179,6 +160,33 @@ def _kernel_class() -> type:
             ).launch(grid=grid_dim, block=[self.num_threads, 1, 1], stream=stream,
                      min_blocks_per_mp=1)
 
+        def _set_threads(self, mma_threads: int) -> None:
+            """The block's threads: `mma_threads` consumers (whole warp groups, which also run
+            the epilogue) and one producer warp group, of which one warp issues the TMA loads;
+            the registers per thread each side gets (setmaxnreg), by consumer group count."""
+            group = 128  # threads in a warp group
+            self.num_threads_per_warp_group = self.num_Q_load_threads = group
+            self.num_mma_threads = self.num_epilogue_threads = mma_threads
+            self.num_wg_mma = mma_threads // group
+            self.num_threads = mma_threads + group
+            self.num_producer_threads = cute.arch.WARP_SIZE
+            consumer_regs, producer_regs = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[
+                self.num_wg_mma]
+            self.num_mma_regs, self.num_producer_regs = consumer_regs, producer_regs
+
+        def _set_smem_layouts(self, q_type, k_type, v_type, o_type) -> None:
+            """Row-major shared-memory tiles: Q and O one tile each, K and V `num_stages`
+            tiles, P one tile unless P V reads P from registers."""
+            def smem_tile(dtype, rows, cols, stages=None):
+                return sm90_utils.make_smem_layout(dtype, LayoutEnum.ROW_MAJOR, (rows, cols),
+                                                   stages)
+            self.sO_layout = smem_tile(o_type, self.tile_m, self.tile_hdimv)
+            self.sQ_layout = smem_tile(q_type, self.tile_m, self.tile_hdim)
+            self.sV_layout = smem_tile(v_type, self.tile_n, self.tile_hdimv, self.num_stages)
+            self.sK_layout = smem_tile(k_type, self.tile_n, self.tile_hdim, self.num_stages)
+            self.sP_layout = (None if self.mma_pv_is_rs
+                              else smem_tile(v_type, self.tile_m, self.tile_n))
+
         @cute.jit
         def load_Q(self, mQ, sQ, tma_atom_Q, pipeline_q, phase, head_idx, batch, m_block):
             """Loads query tile m_block of Q's batch entry `batch` (part * b + batch index)."""
@@ -201,10 +209,10 @@ def _kernel_class() -> type:
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
                 batches = cute.size(mK.shape[3])
-                tile_scheduler = TileSchedulerCls()
-                work_tile = tile_scheduler.initial_work_tile_info()
-                while work_tile.is_valid_tile:
-                    m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+                scheduler = TileSchedulerCls()
+                tile = scheduler.initial_work_tile_info()
+                while tile.is_valid_tile:  # one query tile (m block) of one head at a time
+                    m_block, head_idx, batch_idx, _ = tile.tile_idx
                     seqlen = SeqlenInfoCls(batch_idx)
                     head_idx_kv = head_idx // self.qhead_per_kvhead
                     gK = cute.local_tile(mK[None, None, head_idx_kv, batch_idx],
@@ -242,9 +250,9 @@ def _kernel_class() -> type:
                     pipeline_v.producer_acquire(kv_state)
                     load_V(src_idx=n_block_min, producer_state=kv_state)
                     kv_state.advance()
-                    tile_scheduler.prefetch_next_work()
-                    tile_scheduler.advance_to_next_work()
-                    work_tile = tile_scheduler.get_current_work()
+                    scheduler.prefetch_next_work()
+                    scheduler.advance_to_next_work()
+                    tile = scheduler.get_current_work()
                 pipeline_v.producer_tail(kv_state)
 
         @cute.jit
@@ -256,11 +264,12 @@ def _kernel_class() -> type:
             # mask mods; at a part boundary it releases the query tile once the previous part's
             # last Q K^T is done, and waits for the next part's
             warp_group_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
-            warp_group_thread_layout = cute.make_layout(
-                self.num_wg_mma, stride=self.num_threads_per_warp_group)
-            thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-            wg_mma_qk = tiled_mma_qk.get_slice(warp_group_thread_layout(warp_group_idx))
-            wg_mma_pv = tiled_mma_pv.get_slice(warp_group_thread_layout(warp_group_idx))
+            # the first thread of each consumer warp group: the whole group's share of a GEMM
+            group_first_thread = cute.make_layout(
+                self.num_wg_mma, stride=self.num_threads_per_warp_group)(warp_group_idx)
+            wg_mma_pv = tiled_mma_pv.get_slice(group_first_thread)
+            wg_mma_qk = tiled_mma_qk.get_slice(group_first_thread)
+            thr_mma_qk = tiled_mma_qk.get_slice(tidx)  # this thread's share (the mask's rows)
             _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(
                 wg_mma_qk, (self.tile_m, self.tile_n, self.tile_hdim), sQ, sK)
             mma_qk_fn = partial(sm90_utils.gemm_zero_init, tiled_mma_qk,
@@ -280,16 +289,16 @@ def _kernel_class() -> type:
             q_phase = Int32(0)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                     self.num_stages)
-            tile_scheduler = TileSchedulerCls()
-            work_tile = tile_scheduler.initial_work_tile_info()
+            scheduler = TileSchedulerCls()
+            tile = scheduler.initial_work_tile_info()
             softmax = Softmax.create(softmax_scale_log2,
                                      num_rows=acc_O.shape[0][0] * acc_O.shape[1],
                                      softmax_scale=softmax_scale)
             scores_scale = None
             if const_expr(self.rescale_O_before_gemm):
                 scores_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-            while work_tile.is_valid_tile:
-                m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            while tile.is_valid_tile:
+                m_block, head_idx, batch_idx, _ = tile.tile_idx
                 seqlen = SeqlenInfoCls(batch_idx)
                 mask = AttentionMaskCls(seqlen)
                 mask_fn = partial(mask.apply_mask, batch_idx=batch_idx, head_idx=head_idx,
@@ -342,8 +351,8 @@ def _kernel_class() -> type:
                 softmax.rescale_O(acc_O, row_scale)
                 self.epilogue(acc_O, softmax.row_sum, mO, mLSE, sO, seqlen, gmem_tiled_copy_O,
                               tma_atom_O, tiled_mma_pv, tidx, m_block, head_idx, batch_idx)
-                tile_scheduler.advance_to_next_work()
-                work_tile = tile_scheduler.get_current_work()
+                scheduler.advance_to_next_work()
+                tile = scheduler.get_current_work()
 
     return DCAForwardSm90
 
