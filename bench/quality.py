@@ -11,7 +11,9 @@ and YaRN (factor 4 at T..4T; YaRN also factor 8 at 8T), DCA with the default spl
 3T/4 chunk, T/16 local window; also at 8T) and DCA with chunk T, local T/4. Each method's
 result is appended to OUT/quality.json as soon as it is measured (a run cut short by a time
 limit keeps what it measured); OUT/quality.png plots every method's average by length and
-OUT/quality.md holds the table. `--samples`, `--tasks` and `--plan` choose how much to run.
+OUT/quality.md holds the table. `--samples`, `--tasks`, `--plan` and `--multiples` choose how
+much to run; a method measured one length at a time (`--multiples 1`, then `--multiples 4`, ...:
+a large model's long lengths each fill a time-limited call) is one line of the table.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _environment() -> dict:
 def report(paths: list[Path], out: Path) -> str:
     """quality.md (a method x length table of averages) and quality.png in `out`, from the rows
     of one or more quality.json files (in order)."""
-    rows = [r for path in paths for r in json.loads(path.read_text())["rows"]]
+    rows = [r for path in paths for r in _merged(json.loads(path.read_text())["rows"])]
     lengths = sorted({int(n) for r in rows for n in r["ruler"]["averages"]})
     lines = ["| method | " + " | ".join(f"{n:,}" for n in lengths) + " | effective | s |",
              "| --- |" + " --- |" * (len(lengths) + 2)]
@@ -125,6 +127,31 @@ def report(paths: list[Path], out: Path) -> str:
     (out / "quality.md").write_text(text)
     _plot(rows, out / "quality.png")
     return text
+
+
+def _merged(rows: list[dict]) -> list[dict]:
+    """One file's rows with a method measured at other lengths in later rows (same method,
+    same checkpoint, none of its lengths) folded into its first row: averages and seconds
+    joined, the effective length recomputed over all of them."""
+    from trainer.evals.ruler.scoring import effective_length
+
+    merged: list[dict] = []
+    for row in rows:
+        first = next((m for m in merged if m["method"] == row["method"]
+                      and m["checkpoint"] == row["checkpoint"]
+                      and not set(m["ruler"]["averages"]) & set(row["ruler"]["averages"])),
+                     None)
+        if first is None:
+            merged.append(row)
+            continue
+        averages = {**first["ruler"]["averages"], **row["ruler"]["averages"]}
+        averages = dict(sorted(averages.items(), key=lambda kv: int(kv[0])))
+        first.update(lengths=sorted(first["lengths"] + row["lengths"]),
+                     seconds=first["seconds"] + row["seconds"],
+                     ruler={**first["ruler"], "averages": averages, "effective_length":
+                            effective_length({int(k): v for k, v in averages.items()},
+                                             first["ruler"]["threshold"])})
+    return merged
 
 
 def _plot(rows: list[dict], png: Path) -> None:
@@ -166,6 +193,7 @@ def training_free(args: argparse.Namespace) -> None:
     t = model_length(ckpt)
     for name in args.plan.split(","):
         overrides, multiples = METHODS[name]
+        multiples = args.multiples or multiples
         overrides = [o.format(T=t, T4=t // 4) for o in overrides]
         samples = args.samples_8t if name.endswith("@8T") else (
             args.samples_main if name == "dca" else args.samples)
@@ -212,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="outputs/quality", help="quality.json, .md, .png")
     p.add_argument("--plan", default="dca,standard,yarn,ntk,pi,dca_c=T",
                    help=f"training-free: methods in order, from {','.join(METHODS)}")
+    p.add_argument("--multiples", type=lambda text: tuple(int(m) for m in text.split(",")),
+                   default=None, help="training-free: lengths as multiples of T, in place of "
+                   "each method's own (e.g. 1 or 2,4)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default all)")
     p.add_argument("--samples", type=int, default=20, help="samples per task and length")
     p.add_argument("--samples-main", type=int, default=50, help="... for the dca method")

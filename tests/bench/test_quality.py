@@ -32,9 +32,18 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     assert (work / "ckpt").is_dir()
     quality.main(["training-free"] + common + ["--plan", "dca,standard,yarn,dca_c=T"])
     quality.main(["finetune"] + common + ["--ft-steps", "2", "--ft-batch", "1"])
+    # a method measured one length at a time is one line: standard again, at 8T only
+    quality.main(["training-free"] + common + ["--plan", "standard", "--multiples", "8"])
     rows = json.loads((out / "quality.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["dca", "standard", "yarn", "dca_c=T",
-                                           "dca_finetuned_2T"]
+                                           "dca_finetuned_2T", "standard"]
+    assert rows[5]["lengths"] == [8 * T]
+    standard_line = next(line for line in (out / "quality.md").read_text().splitlines()
+                         if line.startswith("| standard |"))
+    cells = [c.strip() for c in standard_line.split("|")[2:-3]]
+    assert cells == [f"{rows[1]['ruler']['averages'][str(m * T)]:.1f}" for m in (1, 2, 4)] + [
+        f"{rows[5]['ruler']['averages'][str(8 * T)]:.1f}"]
+    rows = rows[:5]
     assert rows[0]["attention"]["dca_chunk_size"] == 3 * T // 4  # the default split
     assert rows[0]["attention"]["dca_local_size"] == T // 16
     assert rows[3]["attention"]["dca_chunk_size"] == T
@@ -43,6 +52,7 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     assert rows[0]["samples"] == 2 and rows[1]["samples"] == 1
     table = (out / "quality.md").read_text()
     assert table.count("\n") == 2 + len(rows) and "dca_finetuned_2T" in table
+    assert table.splitlines()[0].endswith(f"| {8 * T:,} | effective | s |")
     assert (out / "quality.png").stat().st_size > 0
     assert quality.report([out / "quality.json"], out) == table
     # several runs' files: one table and one plot of all their rows, in order
