@@ -9,6 +9,7 @@ here, on the CPU."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.util
 import os
@@ -159,3 +160,39 @@ def test_an_fa4_release_other_than_the_pin_is_reported_once(monkeypatch, caplog)
     assert [r.message.count("9.9.9") for r in caplog.records] == [1]
     monkeypatch.setattr(fa4_api.metadata, "version", lambda name: fa4_api.FA4_VERSION)
     assert fa4_api.check_version() is None
+
+
+def _code_lines(text: str) -> list[str]:
+    """A file's code lines, whitespace collapsed; blank lines, comments and docstring quotes
+    out (lines of three characters or fewer, such as `)` or `],`, too)."""
+    lines = []
+    for line in text.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if len(line) > 3 and not line.startswith(("#", '"""')):
+            lines.append(re.sub(r"\s+", " ", line))
+    return lines
+
+
+@needs_sources
+def test_no_four_lines_in_a_row_are_fa4s() -> None:
+    """The project's attention code is its own: no run of four code lines equal to a run in
+    FA4's cute sources (code alike in shape, the same API calls, is fine)."""
+    runs = 4
+    theirs = set()
+    with contextlib.ExitStack() as stack:
+        root = SOURCES._installed("flash_attn")
+        if root is not None:
+            texts = [p.read_text() for p in (root / "cute").rglob("*.py")]
+        else:
+            wheel = stack.enter_context(zipfile.ZipFile(SOURCES._wheel("flash_attn")))
+            texts = [wheel.read(n).decode() for n in wheel.namelist()
+                     if n.startswith("flash_attn/cute/") and n.endswith(".py")]
+    for text in texts:
+        lines = _code_lines(text)
+        theirs |= {tuple(lines[i:i + runs]) for i in range(len(lines) - runs + 1)}
+    shared = []
+    for path in sorted((REPO / "models" / "attention").rglob("*.py")):
+        lines = _code_lines(path.read_text())
+        shared += [f"{path.name}: {lines[i]}" for i in range(len(lines) - runs + 1)
+                   if tuple(lines[i:i + runs]) in theirs]
+    assert not shared, f"runs of {runs} lines equal to FA4's, starting at: {shared}"
