@@ -31,15 +31,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # here: under pytest-xdist the controlling process loads this file too, and it runs no test, so
 # ~7 s of imports there would only delay the workers' start (they import them as they collect).
 import multiprocessing as mp  # what torch.multiprocessing re-exports: one forkserver either way
-from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 
-from trainer.config import CONF_DIR, register_configs
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
+from tests.composition import compose_config  # the tests import it from here too
+from trainer.config import register_configs
 
 register_configs()
 
@@ -77,14 +74,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow = {item.nodeid.split("::")[0] for item in items
             if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
-
-
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The run's config exactly as `python -m trainer <overrides>` composes it."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides or [])
 
 
 @pytest.fixture
