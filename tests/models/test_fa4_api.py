@@ -41,7 +41,7 @@ class Sources:
         prefix = {"flash_attn": "flash_attn_4-", "quack": "quack_kernels-"}[top]
         return next((w for w in self.wheels if w.name.startswith(prefix)), None)
 
-    @functools.cache  # noqa: B019 (one Sources for the session)
+    @functools.cache  # noqa: B019 (one Sources for the whole test run)
     def tree(self, module: str) -> ast.Module:
         top, *rest = module.split(".")
         relative = "/".join(rest) + ".py"
