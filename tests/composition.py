@@ -8,7 +8,7 @@ is built and merged; then every other override is applied to that config, in ord
 repeat a few dozen group selections, so it is cached per group selection; the second stage runs
 as Hydra runs it, on a copy, with Hydra's own parser and function, so a misspelt key, a wrong
 type or a missing `+` fails exactly as in a full composition. Overrides of Hydra's own node
-(`hydra.*`) and sweeps compose in full. tests/trainer/test_config.py checks the result equals
+(`hydra.*`) and sweeps compose in full. tests/test_composition.py checks the result equals
 Hydra's, errors included."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Where a command's wall time goes: seconds per named phase, GPU work included.
 
 `Phases` times `with phases("load"): ...` blocks; a phase's end waits for the GPU (work queued
-inside a phase is that phase's), and a phase entered again adds up. `since_start()` is the
-process's age: what came before the first phase (interpreter, imports, Hydra) is the difference.
+inside a phase is that phase's), and a phase entered again adds up. `to_dict()` adds "before":
+the process's age when timing began (`process_age`: interpreter, imports, Hydra).
 """
 
 from __future__ import annotations

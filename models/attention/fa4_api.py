@@ -40,17 +40,17 @@ NAMES: dict[str, tuple[str, ...]] = {
                          "gemm_w_idx"),
 }
 
-# (module, kernel class) -> the methods DCA's subclasses override (o) or call (c); the backward
-# subclass also compiles a copy of FA4's `__call__` (fa4_backward._reduce_add_call)
-METHODS: dict[tuple[str, str], dict[str, str]] = {
-    ("flash_attn.cute.flash_fwd_sm90", "FlashAttentionForwardSm90"): {
-        "__call__": "o", "load": "o", "mma": "o", "_check_type": "c", "_get_tiled_mma": "c",
-        "_setup_attributes": "c", "_get_shared_storage_cls": "c", "kernel": "c",
-        "mma_init": "c", "first_half_block_overlap": "c",
-        "mma_one_n_block_intrawg_overlap": "c", "last_half_block_overlap": "c",
-        "epilogue": "c"},
-    ("flash_attn.cute.flash_bwd_sm90", "FlashAttentionBackwardSm90"): {
-        "__call__": "c", "load": "o", "dQaccum_store": "o"},
+# (module, kernel class) -> the methods DCA's subclasses override or call; the backward's
+# `__call__` is FA4's, compiled as a copy (fa4_backward._reduce_add_call)
+METHODS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("flash_attn.cute.flash_fwd_sm90", "FlashAttentionForwardSm90"): (
+        "__call__", "load", "mma",  # overridden
+        "_check_type", "_get_tiled_mma", "_setup_attributes", "_get_shared_storage_cls",
+        "kernel", "mma_init", "first_half_block_overlap", "mma_one_n_block_intrawg_overlap",
+        "last_half_block_overlap", "epilogue"),
+    ("flash_attn.cute.flash_bwd_sm90", "FlashAttentionBackwardSm90"): (
+        "load", "dQaccum_store",  # overridden
+        "__call__"),
 }
 
 _log = logging.getLogger(__name__)

@@ -2,14 +2,13 @@
 flash-attn-4 and quack-kernels releases, read from their sources (no import: the CuTe DSL needs
 a GPU stack), and the list is the whole of what the code takes from them.
 
-The sources come from the installed packages or from the release wheels in
-$LONGCTX_FA4_WHEELS (.ci/run downloads them there), so an FA4 upgrade that moves a name fails
+The sources come from the release wheels in $LONGCTX_FA4_WHEELS (.ci/run downloads the pinned
+ones there), else from the installed packages, so an FA4 upgrade that moves a name fails
 here, on the CPU."""
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import importlib.util
 import os
@@ -41,14 +40,22 @@ class Sources:
         prefix = {"flash_attn": "flash_attn_4-", "quack": "quack_kernels-"}[top]
         return next((w for w in self.wheels if w.name.startswith(prefix)), None)
 
+    def package_texts(self, top: str, folder: str) -> list[str]:
+        """Every Python source under `top`/`folder` (the pinned wheel's, when given)."""
+        if (wheel_path := self._wheel(top)) is not None:
+            with zipfile.ZipFile(wheel_path) as wheel:
+                return [wheel.read(n).decode() for n in wheel.namelist()
+                        if n.startswith(f"{top}/{folder}/") and n.endswith(".py")]
+        return [p.read_text() for p in (self._installed(top) / folder).rglob("*.py")]
+
     @functools.cache  # noqa: B019 (one Sources for the whole test run)
     def tree(self, module: str) -> ast.Module:
         top, *rest = module.split(".")
         relative = "/".join(rest) + ".py"
-        if (root := self._installed(top)) is not None:
-            return ast.parse((root / relative).read_text())
-        with zipfile.ZipFile(self._wheel(top)) as wheel:
-            return ast.parse(wheel.read(f"{top}/{relative}").decode())
+        if (wheel_path := self._wheel(top)) is not None:  # the pinned release, when given
+            with zipfile.ZipFile(wheel_path) as wheel:
+                return ast.parse(wheel.read(f"{top}/{relative}").decode())
+        return ast.parse((self._installed(top) / relative).read_text())
 
 
 SOURCES = Sources()
@@ -89,8 +96,6 @@ def _methods(module: str, cls: str) -> set[str]:
             origin = names[base.id].module or ""
             if origin.split(".")[0] in ("flash_attn", "quack"):
                 found |= _methods(origin, base.id)
-            elif base.id in names and isinstance(names[base.id], ast.ClassDef):
-                found |= _methods(module, base.id)
         elif isinstance(base, ast.Name) and isinstance(names.get(base.id), ast.ClassDef):
             found |= _methods(module, base.id)
     return found
@@ -121,7 +126,7 @@ def test_every_listed_method_is_in_the_pinned_kernel_classes(key: tuple[str, str
 
 def _uses(path: Path) -> set[tuple[str, str]]:
     """(module, name) pairs a file takes from flash_attn / quack: `from M import name`, and
-    `alias.name` where `from P import M [as alias]` bound a flash_attn / quack module."""
+    `alias.name` where `from P import M [as alias]` bound a module listed in fa4_api.NAMES."""
     tree = ast.parse(path.read_text())
     aliases: dict[str, str] = {}
     uses = set()
@@ -130,7 +135,7 @@ def _uses(path: Path) -> set[tuple[str, str]]:
                 "flash_attn", "quack"):
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
-                if candidate in fa4_api.NAMES or candidate.rsplit(".", 1)[0] == "quack":
+                if candidate in fa4_api.NAMES:
                     aliases[alias.asname or alias.name] = candidate
                 else:
                     uses.add((node.module, alias.name))
@@ -179,14 +184,7 @@ def test_no_four_lines_in_a_row_are_fa4s() -> None:
     FA4's cute sources (code alike in shape, the same API calls, is fine)."""
     runs = 4
     theirs = set()
-    with contextlib.ExitStack() as stack:
-        root = SOURCES._installed("flash_attn")
-        if root is not None:
-            texts = [p.read_text() for p in (root / "cute").rglob("*.py")]
-        else:
-            wheel = stack.enter_context(zipfile.ZipFile(SOURCES._wheel("flash_attn")))
-            texts = [wheel.read(n).decode() for n in wheel.namelist()
-                     if n.startswith("flash_attn/cute/") and n.endswith(".py")]
+    texts = SOURCES.package_texts("flash_attn", "cute")
     for text in texts:
         lines = _code_lines(text)
         theirs |= {tuple(lines[i:i + runs]) for i in range(len(lines) - runs + 1)}

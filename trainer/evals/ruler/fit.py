@@ -7,7 +7,7 @@ until that sample's prompt fits. Here:
 1. Per (task spec, length, prompt format, seed, tokenizer) the size is searched once on a probe
    prompt and cached (`Context.fitted`): the smallest size is measured first (too long: a
    UserError naming the task, the length and the minimum length), then a second size gives
-   tokens per unit, then `largest_fitting` closes in (secant steps inside a shrinking bracket).
+   tokens per unit, then `fitting_search` closes in (secant steps inside a shrinking bracket).
 2. Each sample starts from that size and moves down (over the budget) or up (more than ~1%
    under) the same way, so every prompt fits and sits within about 1% of its budget.
 
