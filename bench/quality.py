@@ -37,6 +37,7 @@ METHODS = {
     "dca": (["+attention=dca"], (1, 2, 4)),
     "dca_c=T": (["+attention=dca", "attention.dca_chunk_size={T}",
                  "attention.dca_local_size={T4}"], (1, 2, 4)),
+    "dca_yarn": (["+attention=dca", "attention.dca_scaling=yarn"], (1, 2, 4)),
     "dca@8T": (["+attention=dca"], (8,)),
     "yarn@8T": (["+extrapolation=yarn", "model.rope_scaling_factor=8"], (8,)),
 }

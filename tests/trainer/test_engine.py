@@ -197,3 +197,43 @@ def test_the_ruler_decode_allocates_one_cache_for_all_its_cells(single_process,
     texts = decode(model_of("standard"), Tokenizer(), samples, EngineOptions(max_batch=2),
                    progress=False)
     assert made == [(2, 2 * LENGTH_MULTIPLE)] and len(texts) == 3
+
+
+def test_the_ruler_decode_recomputes_where_no_cache_reproduces_the_attention(
+        single_process, monkeypatch) -> None:
+    """DCA with a length scaling (its factors follow the whole sequence's length) decodes by
+    recomputation, where the engine refuses it; that path gives the engine's texts, cut after
+    the stop token as the engine stops, wherever the engine does decode (DCA, fp32)."""
+    from trainer.evals import ruler_run
+    from trainer.evals.ruler.specs import Sample
+
+    class Tokenizer:
+        vocab_size = VOCAB
+
+        def __init__(self, eod: int) -> None:
+            self.eod = eod
+
+        def decode(self, ids: list[int]) -> str:
+            return " ".join(map(str, ids))
+
+    budgets = [6, 6, 9, 4]
+    ids = prompts(4, seed=3, lengths=(2 * CHUNK + 3, 2 * CHUNK + 3, CHUNK + 5, 3 * CHUNK))
+    samples = [Sample("t", len(p) + m, i, "", "", p, ["x"], m, "string_match_all")
+               for i, (p, m) in enumerate(zip(ids, budgets))]
+    options = EngineOptions(max_batch=2)
+    model = model_of("dca-qwen2")
+    whole = ruler_run.decode(model, Tokenizer(-1), samples, options, progress=False)
+    eod = int(whole[2].split()[3])  # a stop token greedy meets mid-answer: a text is cut
+    cached = ruler_run.decode(model, Tokenizer(eod), samples, options, progress=False)
+    assert len(cached[2].split()) <= 4 < budgets[2]
+    monkeypatch.setattr(ruler_run, "engine_takes", lambda model: False)
+    assert ruler_run.decode(model, Tokenizer(eod), samples, options, progress=False) == cached
+    monkeypatch.undo()
+    base, attention = KINDS["dca-qwen2"]
+    torch.manual_seed(0)
+    scaled = build_model(base, replace(attention, dca_scaling="yarn"), ParallelConfig(),
+                         vocab_size=VOCAB, max_sequence_length=16 * CHUNK).gpt.eval()
+    with pytest.raises(ValueError, match="dca_scaling"):
+        DecodeEngine(scaled, VOCAB, options).reserve(1, 4 * CHUNK)
+    texts = ruler_run.decode(scaled, Tokenizer(-1), samples, options, progress=False)
+    assert [len(t.split()) for t in texts] == budgets

@@ -35,7 +35,7 @@ def _tp_size() -> int:
             if parallel_state.model_parallel_is_initialized() else 1)
 
 
-def _engine_model(model: object) -> bool:
+def engine_takes(model: object) -> bool:
     """Whether the engine can decode `model`: the trainer's GPTModel (or its bf16 wrapper) at
     TP=1 whose attention a cache reproduces (not DCA's length-dependent scaling)."""
     from megatron.core.models.gpt import GPTModel
@@ -62,7 +62,7 @@ class Greedy:
         self.model, self.vocab_size, self.device = model, vocab_size, device
         self.batch_size = batch_size
         self.engine = (DecodeEngine(model, vocab_size, EngineOptions(max_batch=batch_size))
-                       if _engine_model(model) else None)
+                       if engine_takes(model) else None)
 
     def reserve(self, length: int) -> None:
         """Size the engine's cache once for prompts and continuations of up to `length` tokens."""

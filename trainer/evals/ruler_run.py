@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from trainer.engine import DecodeEngine, EngineOptions
+from trainer.evals.decoding import engine_takes
 from trainer.evals.ruler import SuiteResult, score_predictions
 from trainer.evals.ruler.specs import Sample, TaskSpec
 from trainer.evals.ruler.suite import build_samples, check_lengths, select_tasks, write_jsonl
@@ -77,6 +78,9 @@ def decode(model: torch.nn.Module, tokenizer, samples: list[Sample], options: En
     engine's time split goes to `phases`."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(samples), world))
+    if not engine_takes(model):
+        texts = _recomputed(model, tokenizer, samples, mine, options.max_batch, rank == 0)
+        return _gathered(texts, world, len(samples))
     engine = DecodeEngine(model, tokenizer.vocab_size, options)
     if mine:  # one cache (and one captured step) for every cell: the largest first
         engine.reserve(min(options.max_batch, len(mine)),
@@ -99,11 +103,38 @@ def decode(model: torch.nn.Module, tokenizer, samples: list[Sample], options: En
     engine.release()
     if phases is not None:
         phases.add_all(engine.stats.seconds())
+    return _gathered(texts, world, len(samples))
+
+
+def _recomputed(model: torch.nn.Module, tokenizer, samples: list[Sample], mine: list[int],
+                batch_size: int, log_once: bool) -> dict[int, str]:
+    """The texts of samples `mine` decoded without a cache, for a model whose attention a
+    cache cannot reproduce (DCA with a length scaling): a forward of the whole sequence per
+    token, equal-length prompts batched, each text cut after its first end-of-text token, as
+    the engine stops (greedy's tokens up to there are the same)."""
+    from trainer.evals.decoding import Greedy
+
+    if log_once:
+        log.warning("RULER: the model's attention (attention.dca_scaling) cannot be cached; "
+                    "decoding recomputes the whole sequence per token (slow at long lengths)")
+    device = next(model.parameters()).device
+    greedy = Greedy(model, tokenizer.vocab_size, device, batch_size)
+    tokens = greedy.continuations([samples[i].prompt_ids for i in mine],
+                                  [samples[i].max_new_tokens for i in mine])
+    texts = {}
+    for i, row in zip(mine, tokens):
+        end = row.index(tokenizer.eod) + 1 if tokenizer.eod in row else len(row)
+        texts[i] = tokenizer.decode(row[:end])
+    return texts
+
+
+def _gathered(texts: dict[int, str], world: int, count: int) -> list[str]:
+    """Every rank's texts, in sample order."""
     if world > 1:
         parts: list[dict[int, str]] = [{} for _ in range(world)]
         dist.all_gather_object(parts, texts)
         texts = {k: v for part in parts for k, v in part.items()}
-    return [texts[i] for i in range(len(samples))]
+    return [texts[i] for i in range(count)]
 
 
 def run_suite(model: torch.nn.Module, tokenizer, tokenizer_spec: str, stream,
