@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
+from ckpt.save import _collect_results_in_process
 from models.attention.head_gate import HeadGatedSelfAttention
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig, ParallelConfig
@@ -89,6 +90,11 @@ def _reshard_every_case(root: str) -> None:
     # case is saved at its save TP before it is loaded at its load TP.
     naive = mock.patch.object(HeadGatedSelfAttention, "sharded_state_dict",
                               MegatronModule.sharded_state_dict)
+    # megatron's writers report to a queue; left alone, a rank's first save spawns a
+    # multiprocessing Manager for it (a new interpreter: ~10 s on 2 cores, the ranks waiting at
+    # the save's barrier). The synchronous saves here put and get in this process, as the
+    # trainer's own saves do (ckpt/save.py).
+    _collect_results_in_process()
     before: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
     for tp in (1, 2, 4, 1):
