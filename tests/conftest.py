@@ -16,6 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# Bytecode: with PYTHONDONTWRITEBYTECODE set (some sandboxes and CI images set it) nothing of a
+# fresh checkout is ever cached, and every interpreter of the run (each xdist worker's collection,
+# each worker's forkserver, every entry point run as a new interpreter) compiles the project's
+# and the tests' sources again: ~1 s each. Written once, the rest read them. Unset before the
+# workers start (this file is the controlling process's too), inherited by all of them; this
+# process writes from here on too (`sys.dont_write_bytecode` below).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # torch.cuda.is_available() (megatron calls it on import) initialises the CUDA driver unless it
 # asks NVML; a process forked after that (the forkserver's workers below) cannot use CUDA at
 # all, not even to check for stream capture in a CPU optimizer step. Inherited by the server.
@@ -38,6 +45,7 @@ import pytest
 from tests.composition import compose_config  # the tests import it from here too
 from trainer.config import register_configs
 
+sys.dont_write_bytecode = False  # the test modules, imported after this file (see above)
 register_configs()
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,8 +230,22 @@ def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int |
 # checkpoint tool once: a new interpreter per worker spends ~7 s of CPU on those imports, and a
 # fork of the test process itself would inherit its gloo groups (megatron leaves them alive) and
 # crash using them. tests/test_readme.py runs the README's `python -m` commands there too.
+# tests/warm_server.py composes, once, the configs each child would compose again.
 mp.set_forkserver_preload(["tests.conftest", "tests.module_runs", "trainer.train",
-                           "trainer.eval", "trainer.generate", "ckpt.__main__"])
+                           "trainer.eval", "trainer.generate", "ckpt.__main__",
+                           "tests.warm_server"])
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver, if it is not running, in the repository's directory.
+    Python 3.11's server ignores the sys.path it is handed and imports its preload modules with
+    its working directory first on its path: started while a test has changed this process's
+    directory (monkeypatch.chdir), it would leave out the `tests.*` modules, silently, and each
+    child would import them (and compose its config) itself."""
+    from multiprocessing import forkserver
+
+    with contextlib.chdir(REPO):
+        forkserver.ensure_running()
 
 
 def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> None:
@@ -231,6 +253,7 @@ def spawn(fn: Callable[..., None], *args: Any, world: int, tp: int | None) -> No
     a failure in any raises here."""
     import torch.multiprocessing
 
+    start_forkserver()
     for attempt in range(3):
         try:
             torch.multiprocessing.start_processes(_worker, args=(fn, world, free_port(), tp, args),
@@ -255,6 +278,8 @@ def forked_workers(fn: Callable[..., None], args: tuple, nprocs: int,
 
     from parallel.lifetime import stop_processes
 
+    if start_method == "forkserver":
+        start_forkserver()
     context = torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False,
                                                     start_method=start_method)
     try:

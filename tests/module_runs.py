@@ -16,7 +16,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from tests.conftest import forked_workers, free_port
+from tests.conftest import forked_workers, free_port, start_forkserver
 
 
 def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
@@ -85,6 +85,7 @@ class ModuleRun:
                  file_size_limit: int | None = None, fork_ckpt_workers: bool = False) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = logs / "stdout", logs / "stderr"
+        start_forkserver()
         self.process = mp.get_context("forkserver").Process(
             target=_module_child, args=([module, *args], str(cwd), env, str(self.out),
                                         str(self.err), threads, new_session,
