@@ -8,7 +8,6 @@ import errno
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import ckpt.save
 from ckpt import disk
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER
-from tests.conftest import FAST, REPO, compose_config, held_elsewhere
-from tests.module_runs import ModuleRun, start_module
+from tests.conftest import FAST, compose_config, held_elsewhere
+from tests.module_runs import ModuleRun, run_module, start_module
 from trainer.errors import UserError
 from trainer.train import train
 
@@ -210,24 +209,12 @@ def test_ctrl_c_saves_the_step_and_stops_in_one_line(tmp_path: Path) -> None:
     assert ckpt_main(["verify", str(root)]) == 0
 
 
-_INTERRUPTED_SETUP = """
-import sys
-import trainer.train
-
-def train(cfg, run_dir):
-    raise KeyboardInterrupt  # Ctrl-C while the model is being built
-
-trainer.train.train = train
-from trainer.__main__ import main
-main()
-"""
-
-
 @pytest.mark.slow  # a real `python -m trainer` entry point: CI runs it
 def test_ctrl_c_before_training_is_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_SETUP, *FAST,
-                           "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=os.environ | {"PYTHONPATH": str(REPO)})
+    """The entry point's `main` in a process of its own, forked from the preloaded server
+    (tests/trainer/interrupted_setup.py: its `train` interrupted while the model is built)."""
+    proc = run_module("tests.trainer.interrupted_setup", [*FAST, "hydra.run.dir=run"], tmp_path,
+                      timeout=300)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

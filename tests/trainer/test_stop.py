@@ -16,7 +16,7 @@ import pytest
 from ckpt.__main__ import main as ckpt_main
 from ckpt.paths import TRACKER, checkpoint_name
 from tests.conftest import FAST, own_session, read_metrics
-from tests.module_runs import ModuleRun, start_module
+from tests.module_runs import ModuleRun, run_module, start_module
 
 pytestmark = pytest.mark.slow
 
@@ -94,15 +94,6 @@ def test_under_torchrun_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_pat
 
 
 def test_a_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
-    script = ("import os, signal, time\n"
-              "from trainer.stop import StopOnSignal\n"
-              "stop = StopOnSignal()\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\n"
-              "print('recorded', stop.signum, flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\n"
-              "time.sleep(5)\n"
-              "print('survived', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2],
-                          capture_output=True, text=True, timeout=60)
+    proc = run_module("tests.trainer.second_signal", [], tmp_path, timeout=60)  # forked
     assert proc.stdout == f"recorded {int(signal.SIGTERM)}\n"
     assert proc.returncode == -signal.SIGTERM
