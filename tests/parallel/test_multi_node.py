@@ -19,8 +19,7 @@ import psutil
 import pytest
 
 from ckpt.reader import Checkpoint
-from tests.conftest import FAST, free_port, own_session, read_metrics
-from tests.module_runs import run_module, run_module_ranks
+from tests.conftest import FAST, free_port, own_session, read_metrics, train_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +67,11 @@ def test_a_two_node_run_resumes_on_one_node(tmp_path: Path, layout: str) -> None
     saved = Checkpoint(tmp_path / "two_nodes" / "checkpoints" / "iter_0000002")
     assert {k: getattr(saved.meta.layout, k) for k in sizes} == sizes  # one world of 2 ranks
 
+    # on one node, what `python -m trainer` and `torchrun --nproc-per-node 2` train, without
+    # their new interpreters (tests/conftest.py's `train_on_ranks`)
     resume = COMMON + [f"checkpoint.load={saved.path}", "checkpoint.save=false"]
-    one = run_module("trainer", resume + ["hydra.run.dir=one"], tmp_path, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_module_ranks("trainer", resume + overrides + ["hydra.run.dir=two"], 2, tmp_path,
-                           timeout=300)
-    assert [rank.returncode for rank in two] == [0, 0], two[0].stderr[-3000:]
-    at_one, at_two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    at_one = train_on_ranks(resume, tmp_path / "one")
+    at_two = train_on_ranks(resume + overrides, tmp_path / "two", nproc=2)
     assert [r["step"] for r in at_one] == [r["step"] for r in at_two] == [3, 4]
     for a, b, c in zip(at_one, at_two, two_nodes[2:], strict=True):
         assert math.isfinite(a["loss"])
