@@ -60,7 +60,11 @@ def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err:
                             RuntimeWarning)
     code: int | str | None = 0
     try:
-        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        if args[0].endswith(".py"):  # `python SCRIPT`: its directory first on sys.path
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+        else:
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = stop.code
     except BaseException:
@@ -144,6 +148,13 @@ def start_module(module: str, args: list[str], cwd: Path,
     logs = logs or cwd.parent / f".{cwd.name}.run{os.getpid()}-{next(_runs)}"
     return ModuleRun(module, args, cwd, _module_env(env), logs, threads, new_session,
                      file_size_limit, fork_ckpt_workers)
+
+
+def start_script(script: Path, args: list[str], cwd: Path, logs: Path | None = None,
+                 new_session: bool = False) -> ModuleRun:
+    """`python SCRIPT args` as `start_module` starts `python -m`: the script run as `__main__`,
+    its directory first on sys.path, in a child of the server."""
+    return start_module(str(script), args, cwd, logs=logs, new_session=new_session)
 
 
 def run_module(module: str, args: list[str], cwd: Path,

@@ -3,6 +3,7 @@ the trainer loads it, and the table must read eval.json as trainer.eval writes i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import extrapolation_corpus  # noqa: E402
 import extrapolation_report  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.conftest import own_session  # noqa: E402
+from tests.module_runs import start_script  # noqa: E402
 
 
 def test_trained_tokenizer_loads_with_the_trainers_loader_and_round_trips(tmp_path: Path) -> None:
@@ -127,18 +128,24 @@ def test_a_training_cut_short_resumes_from_its_tracker(tmp_path: Path,
 def test_a_signal_stops_the_driver_after_its_training_saved(tmp_path: Path) -> None:
     """`timeout`'s SIGTERM reaches the driver and its training (one process group): the training
     saves the step it reached, the driver waits for it, starts nothing more and exits 143."""
-    cmd = [sys.executable, str(extrapolation.ROOT / "bench" / "extrapolation.py"), "--smoke",
-           "--steps", "1000", "--out", str(tmp_path / "out")]
-    log = tmp_path / "driver.log"
+    # `python bench/extrapolation.py ...` in a session of its own, forked from the preloaded
+    # server (tests/module_runs.py: without the ~8 s of a new interpreter's imports); its
+    # training is the new interpreter the driver starts
+    proc = start_script(extrapolation.ROOT / "bench" / "extrapolation.py",
+                        ["--smoke", "--steps", "1000", "--out", str(tmp_path / "out")], tmp_path,
+                        logs=tmp_path / "driver", new_session=True)
     metrics = tmp_path / "out-work" / "train" / "metrics.jsonl"
-    with own_session(cmd, tmp_path, log) as proc:
+    try:
         deadline = time.monotonic() + 300
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(proc.output())
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does: the driver and its training
         proc.wait(timeout=120)
-    output = log.read_text()
+    finally:  # whatever of its process group is left
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(proc.output())
     assert proc.returncode == 143, output[-3000:]
     assert "stopped by SIGTERM: rerun the same command to continue" in output
     tracker = tmp_path / "out-work" / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
