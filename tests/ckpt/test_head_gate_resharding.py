@@ -65,48 +65,65 @@ def use_tp(tp: int) -> None:
     initialize_parallel(torch.device("cpu"), tp=tp, seed=0)
 
 
-def _save_or_load(name: str, shape: str, bias: bool, tp: int, root: Path,
-                  before: dict[str, torch.Tensor], errors: dict[str, float]) -> None:
-    """Save the case's model at its save TP; load it into a differently seeded model at its
-    load TP and record the relative logit error."""
-    ckpt = root / name
-    if name not in before:
-        if dist.get_rank() == 0:
-            ckpt.mkdir()
-        dist.barrier()
-        model = tiny_gpt(shape, bias, tp, seed=1)
-        before[name] = full_logits(model)
-        dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
-    else:
-        model = tiny_gpt(shape, bias, tp, seed=2)
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt)))
-        after = full_logits(model)
-        errors[name] = ((after - before[name]).abs().max() / before[name].abs().max()).item()
+def _state(model: GPTModel, name: str, layout: str) -> dict:
+    """The model's sharded state dict under the key prefix `name.`, in the case's layout."""
+    naive = mock.patch.object(HeadGatedSelfAttention, "sharded_state_dict",
+                              MegatronModule.sharded_state_dict)
+    with naive if layout == "naive" else nullcontext():
+        return model.sharded_state_dict(prefix=f"{name}.")
 
 
 def _reshard_every_case(root: str) -> None:
-    """Every case with the factory, and with megatron's plain TP split of the fused tensor."""
+    """Every case with the factory, and with megatron's plain TP split of the fused tensor: saved
+    at its save TP from a model seeded 1, loaded at its load TP into one seeded 2; the relative
+    logit error is recorded. At each TP one checkpoint holds every model saved there (each under
+    its own key prefix) and one load per checkpoint reads every model loaded there: 5 saves and
+    loads in all instead of 48, each with its integrity checks, plans and writer processes."""
     # A few TP changes in all (megatron never frees the gloo groups of a past TP size): each
     # case is saved at its save TP before it is loaded at its load TP.
-    naive = mock.patch.object(HeadGatedSelfAttention, "sharded_state_dict",
-                              MegatronModule.sharded_state_dict)
     # megatron's writers report to a queue; left alone, a rank's first save spawns a
     # multiprocessing Manager for it (a new interpreter: ~10 s on 2 cores, the ranks waiting at
     # the save's barrier). The synchronous saves here put and get in this process, as the
     # trainer's own saves do (ckpt/save.py).
     _collect_results_in_process()
     before: dict[str, torch.Tensor] = {}
+    saved_in: dict[str, Path] = {}
     errors: dict[str, float] = {}
-    for tp in (1, 2, 4, 1):
+    for n, tp in enumerate((1, 2, 4, 1)):
         use_tp(tp)
-        for shape, bias, save, load in CASES:
-            if tp not in (save, load):
-                continue
-            for layout in ("factory", "naive"):
-                name = f"{case_id(shape, bias, save, load)}-{layout}"
-                if (tp == save) == (name not in before):  # its save, or its load, is due
-                    with naive if layout == "naive" else nullcontext():
-                        _save_or_load(name, shape, bias, tp, Path(root), before, errors)
+        due = [(f"{case_id(*case)}-{layout}", case, layout) for case in CASES
+               for layout in ("factory", "naive")]
+        saves = [(name, case, layout) for name, case, layout in due
+                 if case[2] == tp and name not in before]
+        if saves:
+            ckpt = Path(root) / f"saved-{n}-at-tp{tp}"
+            if dist.get_rank() == 0:
+                ckpt.mkdir()
+            dist.barrier()
+            state = {}
+            for name, (shape, bias, _, _), layout in saves:
+                model = tiny_gpt(shape, bias, tp, seed=1)
+                before[name] = full_logits(model)
+                state.update(_state(model, name, layout))
+                saved_in[name] = ckpt
+            dist_checkpointing.save(state, str(ckpt))
+        loads = [(name, case, layout) for name, case, layout in due
+                 if case[3] == tp and name in before and name not in errors]
+        for ckpt in sorted({saved_in[name] for name, _, _ in loads}):
+            models, state = {}, {}
+            for name, (shape, bias, _, _), layout in loads:
+                if saved_in[name] == ckpt:
+                    models[name] = tiny_gpt(shape, bias, tp, seed=2)
+                    state.update(_state(models[name], name, layout))
+            loaded = dist_checkpointing.load(state, str(ckpt))
+            for name, model in models.items():
+                prefix = f"{name}."
+                model.load_state_dict({key.removeprefix(prefix): value
+                                       for key, value in loaded.items()
+                                       if key.startswith(prefix)})
+                after = full_logits(model)
+                errors[name] = ((after - before[name]).abs().max()
+                                / before[name].abs().max()).item()
     if dist.get_rank() == 0:
         (Path(root) / "errors.json").write_text(json.dumps(errors))
 
