@@ -128,9 +128,9 @@ def test_a_training_cut_short_resumes_from_its_tracker(tmp_path: Path,
 def test_a_signal_stops_the_driver_after_its_training_saved(tmp_path: Path) -> None:
     """`timeout`'s SIGTERM reaches the driver and its training (one process group): the training
     saves the step it reached, the driver waits for it, starts nothing more and exits 143."""
-    # `python bench/extrapolation.py ...` in a session of its own, forked from the preloaded
-    # server (tests/module_runs.py: without the ~8 s of a new interpreter's imports); its
-    # training is the new interpreter the driver starts
+    # `python bench/extrapolation.py ...` in a process group of its own (setsid), forked from
+    # the preloaded server (tests/module_runs.py: without the ~8 s of a new interpreter's
+    # imports); its training is the new interpreter the driver starts
     proc = start_script(extrapolation.ROOT / "bench" / "extrapolation.py",
                         ["--smoke", "--steps", "1000", "--out", str(tmp_path / "out")], tmp_path,
                         logs=tmp_path / "driver", new_session=True)
