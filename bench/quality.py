@@ -8,7 +8,9 @@ eval.suite=ruler) with every training-free method, then after a short DCA fine-t
 
 T is the model's own length (its max_position_embeddings). Methods: standard RoPE, PI, NTK-aware
 and YaRN (factor 4 at T..4T; YaRN also factor 8 at 8T), DCA with the default split (ChunkLlama's
-3T/4 chunk, T/16 local window; also at 8T) and DCA with chunk T, local T/4. Each method's
+3T/4 chunk, T/16 local window; also at 8T), DCA with chunk T, local T/4, and DCA with a logit
+scaling (`dca_yarn`: Qwen2.5-1M's YaRN temperature; `dca_log`: Llama 4's with floor_scale T,
+so 1 within T). Each method's
 result is appended to OUT/quality.json as soon as it is measured (a run cut short by a time
 limit keeps what it measured); OUT/quality.png plots every method's average by length and
 OUT/quality.md holds the table. `--samples`, `--tasks`, `--plan` and `--multiples` choose how
@@ -38,6 +40,8 @@ METHODS = {
     "dca_c=T": (["+attention=dca", "attention.dca_chunk_size={T}",
                  "attention.dca_local_size={T4}"], (1, 2, 4)),
     "dca_yarn": (["+attention=dca", "attention.dca_scaling=yarn"], (1, 2, 4)),
+    "dca_log": (["+attention=dca", "attention.dca_scaling=log",
+                 "attention.dca_scaling_floor_scale={T}"], (1, 2, 4)),
     "dca@8T": (["+attention=dca"], (8,)),
     "yarn@8T": (["+extrapolation=yarn", "model.rope_scaling_factor=8"], (8,)),
 }

@@ -118,7 +118,7 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None
     from trainer.eval import checkpoint_data, load_model, run_attention
     from trainer.init_from import open_load
     from trainer.rope_override import typed_model_keys, with_rope_overrides
-    from trainer.validate import check_cached_decoding, check_kernel, check_model, placement
+    from trainer.validate import check_kernel, check_model, placement
 
     check_settings(cfg)
     if cfg.checkpoint.load is None:
@@ -150,8 +150,6 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None
         check_cache(model_cfg, len(prompts), total, cfg.batch_size, bf16,
                     cfg.decode.max_cache_gb, device,
                     "shorten the prompt, lower max_new_tokens or batch_size")
-        check_cached_decoding(attention, ", or kv_cache=false (a forward of the whole "
-                                         "sequence per token)")
     initialize_parallel(device, 1, cfg.seed)
     try:
         model, tokenizer = load_model(run, model_cfg, data.tokenizer, ckpt, device, bf16)

@@ -123,16 +123,6 @@ def validate_eval(cfg: DictConfig) -> None:
                         f"{MAX_LENGTH})")
 
 
-def check_cached_decoding(attention: DictConfig, alternative: str) -> None:
-    """UserError where a KV cache cannot reproduce the attention (DCA with a length scaling:
-    its factors follow the whole sequence's length); `alternative` names the command's way
-    out besides attention.dca_scaling=none."""
-    if attention.kind == "dca" and attention.dca_scaling != "none":
-        raise UserError(f"attention.dca_scaling={attention.dca_scaling} depends on the whole "
-                        "sequence's length, so a KV cache cannot reproduce it: set "
-                        f"attention.dca_scaling=none{alternative}")
-
-
 def check_datasets(train_len: int, valid_len: int, cfg: DictConfig) -> None:
     """The training set must hold a sample; so must the validation set when the run evaluates."""
     seq = cfg.trainer.seq_length

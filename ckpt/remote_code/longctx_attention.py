@@ -220,29 +220,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
 def dca_attention(q: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, *, chunk_size: int,
                   local_size: int, cos: torch.Tensor, sin: torch.Tensor, scale: float,
-                  positions: torch.Tensor | None = None) -> torch.Tensor:
+                  positions: torch.Tensor | None = None,
+                  factors: torch.Tensor | None = None) -> torch.Tensor:
     """Dual Chunk Attention of q [b, hq, sq, d] (unrotated) over k_rot [b, hk, sk, d] (each key
     rotated to r_j) and v; cos, sin [chunk_size + 1, d] are the RoPE tables of positions
-    0..chunk_size (any attention factor included); `positions` as in causal_attention.
+    0..chunk_size (any attention factor included); `positions` as in causal_attention;
+    `factors` [3, sq] float32: each query's logit factor for its own chunk's, the previous
+    chunk's and older keys (None: all 1), multiplied into the rotated query.
     Returns [b, hq, sq, d]."""
     length = chunk_size - local_size
     if q.shape[2] == 1:
         return _dca_decode(q, k_rot, v, _last(k_rot.shape[2], positions, q.device), length,
-                           chunk_size, local_size, cos, sin, scale)
+                           chunk_size, local_size, cos, sin, scale, factors)
     return _dca_prefill(q, k_rot, v, _start(q.shape[2], k_rot.shape[2], positions), length,
-                        chunk_size, local_size, cos, sin, scale)
+                        chunk_size, local_size, cos, sin, scale, factors)
 
 
 def _dca_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 length: int, chunk_size: int, local_size: int, cos: torch.Tensor,
-                sin: torch.Tensor, scale: float) -> torch.Tensor:
+                sin: torch.Tensor, scale: float, factors: torch.Tensor | None) -> torch.Tensor:
     """One query at position pos [1]: rotated three ways, scored against every key in one
     matmul; each key takes the score of its chunk's relation to the query's, later keys are
     masked, and one softmax spans them all."""
     b, hq, _, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     three = torch.cat(dca_positions(pos, chunk_size, local_size))  # [3]: intra, succ, inter
-    q3 = rotate(q.expand(b, hq, 3, d), cos[three], sin[three])  # [b, hq, 3, d]
+    c, s = cos[three], sin[three]
+    if factors is not None:  # [3, 1]: the parts' factors scale their table rows
+        c, s = c * factors.to(c.dtype), s * factors.to(s.dtype)
+    q3 = rotate(q.expand(b, hq, 3, d), c, s)  # [b, hq, 3, d]
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = (torch.matmul(q3.reshape(b, hk, -1, d), k.transpose(-1, -2)).to(wide)
               * scale).unflatten(2, (-1, 3))  # [b, hk, g, 3, sk]
@@ -255,7 +261,7 @@ def _dca_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
 
 def _dca_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, length: int,
                  chunk_size: int, local_size: int, cos: torch.Tensor, sin: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, factors: torch.Tensor | None) -> torch.Tensor:
     """Queries at start..start+sq-1 as the union of three key parts, merged by LSE: intra (the
     query chunks batched, one causal call), successive (the same chunks batched against their
     previous ones, one full call) and inter (per query chunk n >= 2, one full call over keys
@@ -267,25 +273,34 @@ def _dca_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     k0 = max(n0 - 1, 0)  # the key chunks k0..n1-1 serve intra and successive
     qc = _chunked(q, start - c0, pad, length)  # [b, nq, hq, L, d]
     kc, vc = (_chunked(x[:, :, k0 * length:end], 0, pad, length) for x in (k, v))
-    # every chunk's rows have the same three rotations: tables [L, d]
+    # every chunk's rows have the same three rotations: tables [L, d], times each query's
+    # factor per part: fc [1, nq, 3, L, 1] (chunked as q)
     intra, succ, inter = dca_positions(torch.arange(length, device=q.device), chunk_size,
                                        local_size)
+    fc = (None if factors is None else
+          _chunked(factors.to(cos.dtype)[None, :, :, None], start - c0, pad, length))
+
+    def tables(rows: torch.Tensor, part: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if fc is None:
+            return cos[rows], sin[rows]
+        f = fc[:, first:, part:part + 1]  # [1, n, 1, L, 1] of the query chunks first..
+        return cos[rows] * f, sin[rows] * f
 
     # intra: causal within each chunk; expanding K/V per chunk (in _kernel) is acceptable for
     # the backends without GQA: folding query heads into rows would break the causal mask
-    out, lse = _attend(rotate(qc, cos[intra], sin[intra]).flatten(0, 1),
+    out, lse = _attend(rotate(qc, *tables(intra, 0, 0)).flatten(0, 1),
                        kc[:, n0 - k0:].flatten(0, 1), vc[:, n0 - k0:].flatten(0, 1),
                        causal=True, scale=scale)
     parts = [(0, out.unflatten(0, (b, -1)), lse.unflatten(0, (b, -1)))]  # [b, nq, hq, L, ...]
     s0 = max(n0, 1)  # successive: chunks s0..n1-1 against chunks s0-1..n1-2, all keys
     if s0 < n1:
-        qs = rotate(qc[:, s0 - n0:], cos[succ], sin[succ]).flatten(0, 1)
+        qs = rotate(qc[:, s0 - n0:], *tables(succ, 1, s0 - n0)).flatten(0, 1)
         ks, vs = (x[:, s0 - 1 - k0:n1 - 1 - k0].flatten(0, 1) for x in (kc, vc))
         out, lse = _attend(qs, ks, vs, causal=False, scale=scale)
         parts.append((s0 - n0, out.unflatten(0, (b, -1)), lse.unflatten(0, (b, -1))))
     i0 = max(n0, 2)  # inter: chunk n against every key before chunk n - 1
     if i0 < n1:
-        qi = rotate(qc[:, i0 - n0:], cos[inter], sin[inter])
+        qi = rotate(qc[:, i0 - n0:], *tables(inter, 2, i0 - n0))
         for n in range(i0, n1):
             keys = (n - 1) * length
             out, lse = _attend(qi[:, n - i0], k[:, :, :keys], v[:, :, :keys], causal=False,

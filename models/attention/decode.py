@@ -34,8 +34,8 @@ __all__ = ["decode_attention", "decode_attention_reference"]
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, scale: float, kind: str,
                      chunk_size: int | None = None, local_size: int | None = None,
-                     cos: torch.Tensor | None = None,
-                     sin: torch.Tensor | None = None) -> torch.Tensor:
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                     factors: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its valid cached keys.
 
     Args:
@@ -50,17 +50,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             * chunk_size only) or "dca".
         chunk_size: the chunk of "chunked" and "dca"; local_size: DCA's w (L = chunk_size - w).
         cos, sin: [chunk_size + 1, d] float32 RoPE tables of positions 0..chunk_size ("dca").
+        factors: [b, 3] float32 logit factors of each row's query for DCA's own-chunk, previous
+            chunk and older keys (attention.dca_scaling; models/attention/dca/scaling.py), or
+            None (all 1). They multiply the rotated query before its rounding to q's dtype.
 
     Returns:
         [b, hq, d] in q's dtype.
     """
-    _validate(q, k_cache, v_cache, lengths, kind, chunk_size, local_size, cos, sin)
+    _validate(q, k_cache, v_cache, lengths, kind, chunk_size, local_size, cos, sin, factors)
     if _use_triton(q, k_cache, v_cache):
         return _triton_decode(q, k_cache, v_cache, lengths, scale=scale, kind=kind,
-                              chunk_size=chunk_size, local_size=local_size, cos=cos, sin=sin)
+                              chunk_size=chunk_size, local_size=local_size, cos=cos, sin=sin,
+                              factors=factors)
     return decode_attention_reference(q, k_cache, v_cache, lengths, scale=scale, kind=kind,
                                       chunk_size=chunk_size, local_size=local_size, cos=cos,
-                                      sin=sin)
+                                      sin=sin, factors=factors)
 
 
 def _use_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -75,7 +79,8 @@ def _triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    lengths: torch.Tensor, *, scale: float, kind: str,
                    chunk_size: int | None = None, local_size: int | None = None,
                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                   num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                   factors: torch.Tensor | None = None, num_splits: int | None = None,
+                   block_n: int | None = None) -> torch.Tensor:
     """The split-K kernels (also on CPU tensors under TRITON_INTERPRET=1, for tests).
 
     num_splits and block_n default to `decode_kernels`' choices, functions of the shapes and the
@@ -89,7 +94,8 @@ def _triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         block_n = decode_kernels.default_block_n(d)
     return decode_kernels.decode_splitk(
         q, k_cache, v_cache, lengths, scale=scale, kind=kind, chunk_size=chunk_size,
-        local_size=local_size, cos=cos, sin=sin, num_splits=num_splits, block_n=block_n)
+        local_size=local_size, cos=cos, sin=sin, factors=factors, num_splits=num_splits,
+        block_n=block_n)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -102,7 +108,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                lengths: torch.Tensor, *, scale: float, kind: str,
                                chunk_size: int | None = None, local_size: int | None = None,
                                cos: torch.Tensor | None = None,
-                               sin: torch.Tensor | None = None) -> torch.Tensor:
+                               sin: torch.Tensor | None = None,
+                               factors: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path of `decode_attention` (same arguments and result), vectorised over keys.
 
     Computes in float32 (float64 for float64 inputs). Like the plain-torch model export
@@ -110,7 +117,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     before their scores, as the kernels' bf16 matrix products do. Costs a wide copy of the cache
     and [b, hq, 3, S_max] scores: a reference and a CPU path, not the fast one.
     """
-    _validate(q, k_cache, v_cache, lengths, kind, chunk_size, local_size, cos, sin)
+    _validate(q, k_cache, v_cache, lengths, kind, chunk_size, local_size, cos, sin, factors)
     b, hq, d = q.shape
     hk, s_max = k_cache.shape[1], k_cache.shape[2]
     wide = torch.promote_types(q.dtype, torch.float32)
@@ -130,7 +137,10 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                             torch.full_like(r, min(2 * span - 1, chunk_size))], dim=1)  # [b, 3]
         c = cos.to(wide)[rows][:, None, None]  # [b, 1, 1, 3, d]
         s = sin.to(wide)[rows][:, None, None]
-        q3 = _rotate(qg[:, :, :, None], c, s).to(q.dtype).to(wide)  # [b, hk, g, 3, d]
+        q3 = _rotate(qg[:, :, :, None], c, s)  # [b, hk, g, 3, d]
+        if factors is not None:
+            q3 = q3 * factors.to(wide)[:, None, None, :, None]
+        q3 = q3.to(q.dtype).to(wide)
         scores3 = torch.einsum("bhgtd,bhsd->bhgts", q3, k)  # [b, hk, g, 3, S]
         # 0: the query's chunk, 1: the previous one, 2: older (later keys: masked anyway)
         relation = (pos[:, None] // span - keys[None, :] // span).clamp(0, 2)  # [b, S]
@@ -146,7 +156,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               lengths: torch.Tensor, kind: str, chunk_size: int | None, local_size: int | None,
-              cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
+              cos: torch.Tensor | None, sin: torch.Tensor | None,
+              factors: torch.Tensor | None) -> None:
     """Shape and argument checks (shapes only: lengths' values stay on the device)."""
     variant(kind)  # ValueError naming the registered kinds for any other
     decode_kernels.kernel_kind(kind)  # NotImplementedError for a kind decode does not serve
@@ -173,3 +184,8 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             if table is None or table.shape != (chunk_size + 1, d):
                 raise ValueError(f"DCA needs {name} of shape [{chunk_size + 1}, {d}], got "
                                  f"{None if table is None else tuple(table.shape)}")
+    if factors is not None and (kind != "dca" or factors.shape != (b, 3)
+                                or factors.device != q.device):
+        raise ValueError(f"factors scale DCA's three parts: a [{b}, 3] tensor on {q.device} "
+                         f"(kind 'dca'), got {tuple(factors.shape)} on {factors.device} for "
+                         f"kind {kind!r}")

@@ -88,11 +88,13 @@ def supports(head_dim: int) -> bool:
 def decode_splitk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   lengths: torch.Tensor, *, scale: float, kind: str, chunk_size: int | None,
                   local_size: int | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                  num_splits: int, block_n: int) -> torch.Tensor:
+                  num_splits: int, block_n: int,
+                  factors: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K decode attention; arguments as `decode.decode_attention` (already validated).
 
     q: [b, hq, d]; k_cache, v_cache: [b, hk, S_max, d] with unit last stride; lengths: [b] int
-    on q's device; cos, sin: [chunk_size + 1, d] float32 (DCA only). Returns [b, hq, d] in q's
+    on q's device; cos, sin: [chunk_size + 1, d] float32 and factors [b, 3] float32 or None
+    (DCA only). Returns [b, hq, d] in q's
     dtype. The workspace ([b, hq, num_splits, d] and [b, hq, num_splits], float32) is allocated
     here: under graph capture it comes from the graph's private pool.
     """
@@ -114,12 +116,15 @@ def decode_splitk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
     else:
         cos = sin = part_lse  # never read
+    scaled = kind_id == 2 and factors is not None
+    factors = factors.float().contiguous() if scaled else part_lse  # part_lse: never read
     _split_kernel[(b * hk, num_splits)](
-        q, k_cache, v_cache, lengths, cos, sin, part_out, part_lse,
+        q, k_cache, v_cache, lengths, cos, sin, factors, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos.stride(0), lengths.stride(0),
         hk, group, s_max, per_split, scale * math.log2(math.e),
-        KIND=kind_id, CHUNK=chunk, SPAN=span, INTER_ROW=min(2 * span - 1, chunk), D=d,
+        KIND=kind_id, SCALED=scaled, CHUNK=chunk, SPAN=span,
+        INTER_ROW=min(2 * span - 1, chunk), D=d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", DOT_F32=upcast,
         num_warps=WARPS, num_stages=STAGES,
@@ -149,10 +154,11 @@ if triton is not None:
         return q * c[None, :] + q_swapped * s[None, :]
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, cos_ptr, sin_ptr, o_ptr, lse_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, cos_ptr, sin_ptr, fac_ptr, o_ptr, lse_ptr,
                       sqb, sqh, skb, skh, sks, svb, svh, svs, stab, slen,
                       HK, G, S_MAX, PER_SPLIT, SCALE_LOG2,
-                      KIND: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr,
+                      KIND: tl.constexpr, SCALED: tl.constexpr, CHUNK: tl.constexpr,
+                      SPAN: tl.constexpr,
                       INTER_ROW: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                       DOT_F32: tl.constexpr):
@@ -183,11 +189,16 @@ if triton is not None:
                            other=0.0).to(tl.float32)
             q_sw = q_sw * tl.where(dim < D // 2, -1.0, 1.0)[None, :]  # cat(-q2, q1)
             r = pos % SPAN
-            q_own = _operand(_rotated(q, q_sw, cos_ptr, sin_ptr, r, stab, dim), dtype, DOT_F32)
-            q_prev = _operand(_rotated(q, q_sw, cos_ptr, sin_ptr, tl.minimum(r + SPAN, CHUNK),
-                                       stab, dim), dtype, DOT_F32)
-            q_old = _operand(_rotated(q, q_sw, cos_ptr, sin_ptr, INTER_ROW, stab, dim), dtype,
-                             DOT_F32)
+            q_own = _rotated(q, q_sw, cos_ptr, sin_ptr, r, stab, dim)
+            q_prev = _rotated(q, q_sw, cos_ptr, sin_ptr, tl.minimum(r + SPAN, CHUNK), stab, dim)
+            q_old = _rotated(q, q_sw, cos_ptr, sin_ptr, INTER_ROW, stab, dim)
+            if SCALED:  # the parts' logit factors, before the rounding (as the reference)
+                q_own = q_own * tl.load(fac_ptr + bi * 3)
+                q_prev = q_prev * tl.load(fac_ptr + bi * 3 + 1)
+                q_old = q_old * tl.load(fac_ptr + bi * 3 + 2)
+            q_own = _operand(q_own, dtype, DOT_F32)
+            q_prev = _operand(q_prev, dtype, DOT_F32)
+            q_old = _operand(q_old, dtype, DOT_F32)
             q_chunk = pos // SPAN
         else:
             q_own = _operand(q, dtype, DOT_F32)

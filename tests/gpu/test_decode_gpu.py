@@ -45,11 +45,16 @@ def test_triton_matches_the_torch_path(kind: str, hq: int, hk: int, d: int) -> N
         k[i, :, n:] = v[i, :, n:] = float("nan")
     kw = _settings(kind, d)
     assert decode._use_triton(q, k, v)
-    out = decode_attention(q, k, v, lengths, **kw)
-    expected = decode_attention_reference(q, k, v, lengths, **kw)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    # the kernels round the probabilities to bf16 for their P @ V product
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-3)
+    factors = [None]
+    if kind == "dca":  # and with DCA's logit factors, per row and part
+        factors.append(1 + torch.rand(len(LENGTHS[0]), 3, device="cuda"))
+    for f in factors:
+        kw["factors"] = f
+        out = decode_attention(q, k, v, lengths, **kw)
+        expected = decode_attention_reference(q, k, v, lengths, **kw)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        # the kernels round the probabilities to bf16 for their P @ V product
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("hq, hk, d", SHAPES[:1])

@@ -21,7 +21,16 @@ KINDS = {"standard": AttentionConfig(),
          "dca": AttentionConfig(kind="dca", dca_chunk_size=512, dca_local_size=64),
          "chunked": AttentionConfig(kind="chunked", chunk_size=512, global_layer_interval=2),
          "gated-dca": AttentionConfig(kind="dca", dca_chunk_size=512, dca_local_size=64,
-                                      head_wise_attn_gate=True)}
+                                      head_wise_attn_gate=True),
+         # DCA's scalings: the step's factors computed on the device from its positions
+         "dca-log": AttentionConfig(kind="dca", dca_chunk_size=512, dca_local_size=64,
+                                    dca_scaling="log", dca_scaling_parts="succ_inter",
+                                    dca_scaling_floor_scale=256),
+         "dca-yarn": AttentionConfig(kind="dca", dca_chunk_size=512, dca_local_size=64,
+                                     dca_scaling="yarn", dca_scaling_original_length=512)}
+# the kinds whose cached decoding is a forward of the whole sequence (yarn's factors follow
+# the length at which each token was computed: tests/trainer/test_engine.py checks it on CPU)
+RECOMPUTABLE = [name for name in KINDS if name != "dca-yarn"]
 
 
 @pytest.fixture
@@ -66,7 +75,7 @@ def test_graph_replay_equals_the_eager_step(model) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model", list(KINDS), indirect=True)
+@pytest.mark.parametrize("model", RECOMPUTABLE, indirect=True)
 def test_the_engine_decodes_as_recomputation(model) -> None:
     prompt = prompts((1500,))[0]
     engine = DecodeEngine(model, VOCAB)

@@ -18,7 +18,7 @@ from transformers import Llama4TextConfig
 from models.attention.cp_variants import cp_dual_chunk_attention
 from models.attention.dca.attention import dual_chunk_attention
 from models.attention.dca.module import DCACoreAttention
-from models.attention.dca.scaling import DCAScaling
+from models.attention.dca.scaling import DCAScaling, token_factors
 from models.gpt import build_gpt, transformer_config
 from models.schema import AttentionConfig, ModelConfig
 from tests.conftest import spawn
@@ -88,6 +88,21 @@ def test_packed_documents_scale_by_their_own_position_and_length() -> None:
     check(DCAScaling("yarn", original_length=7),
           part_factors([yarn_factor(n, 0.1, 7) for n in lengths for _ in range(n)], "all"),
           52, 10, 3, cu)
+
+
+@pytest.mark.parametrize("parts", ["all", "succ_inter", "inter"])
+def test_token_factors_follow_the_sources_formulas(parts: str) -> None:
+    """The per-token factors a decode step computes on the device, at any position and length
+    (a prompt's tokens at its length, a generated token at its position + 1)."""
+    pos = torch.tensor([0, 3, 4, 11, 40, 100])
+    lengths = torch.tensor([50, 50, 50, 50, 50, 101])
+    got = token_factors(DCAScaling("log", parts, attn_scale=0.5, floor_scale=4), 9, pos, lengths)
+    assert got.dtype == torch.float32 and got.shape == (6, 3)
+    torch.testing.assert_close(got.double(), part_factors(
+        [log_factor(p, 0.5, 4) for p in pos.tolist()], parts), rtol=1e-7, atol=0)
+    got = token_factors(DCAScaling("yarn", parts, original_length=7), 9, pos, lengths)
+    torch.testing.assert_close(got.double(), part_factors(
+        [yarn_factor(n, 0.1, 7) for n in lengths.tolist()], parts), rtol=1e-7, atol=0)
 
 
 def test_gradcheck_scaled() -> None:

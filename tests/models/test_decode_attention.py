@@ -62,22 +62,26 @@ def _expected(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leng
 
 def _dca_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                 chunk_size: int, local_size: int, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, factors: torch.Tensor | None = None) -> torch.Tensor:
     """DCA in float64 from the SPEC's table, key by key (each key picks the query's RoPE row by
-    its chunk relation): a formulation independent of the export's and of the torch path's."""
+    its chunk relation, and its logit factor from `factors` [b, 3] by the same relation): a
+    formulation independent of the export's and of the torch path's."""
     span, hk = chunk_size - local_size, k.shape[1]
     rows = []
     for i, n in enumerate(lengths.tolist()):
         pos, j = n - 1, torch.arange(n)
         r = pos % span
-        row = torch.where(j // span == pos // span, r,
-                          torch.where(j // span == pos // span - 1, min(r + span, chunk_size),
+        relation = (pos // span - j // span).clamp(max=2)  # [n] 0 own, 1 previous, 2 older
+        row = torch.where(relation == 0, r,
+                          torch.where(relation == 1, min(r + span, chunk_size),
                                       min(2 * span - 1, chunk_size)))  # [n]
         c, s = cos.double()[row], sin.double()[row]  # [n, d]
         x = q[i].unflatten(0, (hk, -1))[:, :, None]  # [hk, g, 1, d]
         x_rot = x * c + torch.cat([-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]],
                                   dim=-1) * s  # [hk, g, n, d]: the query as each key sees it
         scores = torch.einsum("hgnd,hnd->hgn", x_rot, k[i, :, :n]) * SCALE
+        if factors is not None:
+            scores = scores * factors[i].double()[relation]
         out = torch.einsum("hgn,hnd->hgd", scores.softmax(-1), v[i, :, :n])
         rows.append(out.flatten(0, 1))  # [hq, d]
     return torch.stack(rows)
@@ -116,6 +120,37 @@ def test_dca_matches_the_export_at_chunk_boundaries(hq: int, hk: int, local_size
     # the export's DCA has rounded its scores and softmax to float32 (float64 inputs too): the
     # float64 check is the oracle's above
     torch.testing.assert_close(out, _expected("dca", q, k, v, lens, **kw), rtol=0, atol=1e-6)
+
+
+def _factors(b: int, seed: int = 5) -> torch.Tensor:
+    """[b, 3] logit factors, a different one per row and part (1 among them)."""
+    f = 1 + torch.rand(b, 3, generator=torch.Generator().manual_seed(seed))
+    f[0] = 1.0
+    return f
+
+
+@pytest.mark.parametrize("hq, hk", HEADS)
+def test_dca_logit_factors_scale_each_part(hq: int, hk: int) -> None:
+    """Per-row, per-part logit factors (DCA's length scaling) against the oracle, and against
+    the export's DCA given the same factors as [3, 1] per query."""
+    c, local, d = 24, 8, 32
+    span = c - local
+    lens = [1, span, span + 1, 2 * span + 1, 3 * span + 2, 100]
+    q, k, v, lengths = _cache(lens, 128, hq, hk, d, torch.float64, seed=4)
+    cos, sin = _tables(c, d)
+    kw = {"chunk_size": c, "local_size": local, "cos": cos, "sin": sin}
+    factors = _factors(len(lens))
+    out = decode_attention(q, *_poisoned(k, v, lengths), lengths, scale=SCALE, kind="dca",
+                           factors=factors, **kw)
+    torch.testing.assert_close(out, _dca_oracle(q, k, v, lengths, c, local, cos, sin, factors),
+                               rtol=0, atol=1e-10)
+    export = torch.cat([dca_attention(q[i:i + 1, :, None], k[i:i + 1, :, :n], v[i:i + 1, :, :n],
+                                      scale=SCALE, factors=factors[i, :, None], **kw)
+                        for i, n in enumerate(lens)])[:, :, 0]
+    torch.testing.assert_close(out, export, rtol=0, atol=1e-6)
+    plain = decode_attention(q, k, v, lengths, scale=SCALE, kind="dca", **kw)
+    assert (out[1:] - plain[1:]).abs().max() > 1e-3  # the factors matter where they are not 1
+    torch.testing.assert_close(out[0], plain[0], rtol=0, atol=1e-12)
 
 
 def test_dca_within_one_chunk_is_causal_rope_attention() -> None:
@@ -159,6 +194,12 @@ def test_bad_arguments_are_refused() -> None:
         decode_attention(q, k, v, lengths.float(), scale=SCALE, kind="standard")
     with pytest.raises(ValueError, match="heads"):
         decode_attention(q[:, :3], k, v, lengths, scale=SCALE, kind="standard")
+    with pytest.raises(ValueError, match="factors"):
+        decode_attention(q, k, v, lengths, scale=SCALE, kind="standard", factors=_factors(1))
+    cos, sin = _tables(8, 16)
+    with pytest.raises(ValueError, match="factors"):
+        decode_attention(q, k, v, lengths, scale=SCALE, kind="dca", chunk_size=8, local_size=2,
+                         cos=cos, sin=sin, factors=_factors(2))
 
 
 _INTERPRETED = (os.environ.get("TRITON_INTERPRET") == "1"
@@ -179,6 +220,8 @@ def test_triton_kernels_match_the_torch_path(kind: str, dtype: torch.dtype, hq: 
     kw = {"kind": kind, "chunk_size": c, "local_size": local, "cos": cos, "sin": sin}
     q, k, v, lengths = _cache([1, 16, 17, 24, 33, 200], s_max, hq, hk, d, dtype)
     k, v = _poisoned(k, v, lengths, c if kind == "chunked" else None)
+    if kind == "dca":  # with DCA's logit factors too
+        kw["factors"] = _factors(len(lengths))
     expected = decode_attention_reference(q, k, v, lengths, scale=SCALE, **kw)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the kernel rounds P to bf16
     strided = torch.stack([lengths, lengths], dim=1)[:, 0]  # a view with stride 2

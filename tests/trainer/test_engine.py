@@ -17,10 +17,19 @@ from tests.ckpt.longctx_models import CHUNK, MODEL, VARIANTS, VOCAB
 from trainer.engine import DecodeEngine, EngineOptions, Sampling
 from trainer.engine.engine import LENGTH_MULTIPLE
 
+DCA = AttentionConfig(kind="dca", dca_chunk_size=CHUNK, dca_local_size=4)
+# DCA's length scalings, steep enough to move these models' logits: `log` (factors from the
+# query's position alone, so a forward of the whole sequence is the reference) on the
+# successive and inter parts only; `yarn` (from the length, see the test of its own)
+LOG = replace(DCA, dca_scaling="log", dca_scaling_parts="succ_inter", dca_scaling_attn_scale=0.5,
+              dca_scaling_floor_scale=CHUNK // 2)
+YARN = replace(DCA, dca_scaling="yarn", dca_scaling_attn_scale=0.5,
+               dca_scaling_original_length=CHUNK)
 KINDS = {**{name: v for name, v in VARIANTS.items()},
          "standard": (MODEL, AttentionConfig()),
          # a local window of 1: the chunk length C - w is odd, positions wrap at odd offsets
-         "dca-odd": (MODEL, AttentionConfig(kind="dca", dca_chunk_size=CHUNK, dca_local_size=1))}
+         "dca-odd": (MODEL, replace(DCA, dca_local_size=1)),
+         "dca-log": (MODEL, LOG)}
 
 
 def model_of(name: str, seed: int = 0) -> torch.nn.Module:
@@ -62,7 +71,7 @@ def test_cached_greedy_equals_recomputation_for_ragged_batches(single_process, n
     assert alone == together
 
 
-@pytest.mark.parametrize("name", ["dca-yarn-gated", "chunked-llama3", "standard"])
+@pytest.mark.parametrize("name", ["dca-yarn-gated", "chunked-llama3", "standard", "dca-log"])
 def test_a_prompt_prefilled_in_pieces_equals_one_prefilled_whole(single_process,
                                                                  name: str) -> None:
     model = model_of(name)
@@ -93,6 +102,51 @@ def test_logits_of_the_engine_equal_the_full_forward(single_process) -> None:
         full = model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0, :, :VOCAB]
     for j, logits in enumerate(seen):
         torch.testing.assert_close(logits[0], full[len(prompt) - 1 + j], rtol=1e-5, atol=1e-5)
+
+
+def test_a_length_scaling_decodes_as_vllm_does(single_process, monkeypatch) -> None:
+    """DCA's `yarn` scaling follows the sequence's length: a cached prompt keeps the factors of
+    its prefill (its own length) and a generated token takes those of its position + 1. The
+    reference is a full forward whose factor table is exactly that (per prompt: ragged prompts
+    prefill apart); prefilled in pieces, the same tokens (fp32)."""
+    from models.attention.dca import plan
+    from models.attention.dca.scaling import token_factors
+
+    torch.manual_seed(0)
+    model = build_model(MODEL, YARN, ParallelConfig(), vocab_size=VOCAB,
+                        max_sequence_length=16 * CHUNK).gpt.eval()
+    scaling = model.decoder.layers[0].self_attention.core_attention.scaling
+    batch = prompts(3, seed=4, lengths=(3 * CHUNK + 1, 3 * CHUNK + 1, 2 * CHUNK + 5))
+    steps = CHUNK + 3
+    seen: list[torch.Tensor] = []
+    engine = DecodeEngine(model, VOCAB, EngineOptions(max_batch=4))
+    original = engine._logits
+    engine._logits = lambda tokens: seen.append(original(tokens)) or seen[-1]
+    out = engine.generate(batch, steps)
+    pieces = DecodeEngine(model, VOCAB, EngineOptions(max_batch=4, prefill_tokens=CHUNK + 3))
+    assert pieces.generate(batch, steps) == out
+    assert len(seen) == 2 + steps - 1  # two prefills (two lengths), then the steps
+    # the engine's rows: prompts longest first; the two of one length prefilled together
+    rows = {0: (1, 0), 1: (1, 1), 2: (2, 0)}
+    for i, (prompt, tokens) in enumerate(zip(batch, out)):
+        n, seq = len(prompt), prompt + tokens[:-1]
+        pos = torch.arange(len(seq))
+        table = token_factors(scaling, CHUNK, pos, torch.where(pos < n, n, pos + 1)).T
+
+        def factors(scaling, chunk_size, seq, bounds, num_parts, dtype, device, *rest,
+                    table=table):
+            return table[:num_parts, :seq].to(dtype=dtype, device=device)
+
+        monkeypatch.setattr(plan, "query_factors", factors)
+        with torch.no_grad():
+            full = model(torch.tensor([seq]), pos[None], None)[0, :, :VOCAB]
+        monkeypatch.undo()
+        group, row = rows[i]
+        prefill = seen[0] if group == 1 else seen[1]
+        torch.testing.assert_close(prefill[row], full[n - 1], rtol=1e-5, atol=5e-5)
+        for j in range(1, steps):
+            torch.testing.assert_close(seen[1 + j][i], full[n - 1 + j], rtol=1e-5, atol=5e-5)
+        assert tokens == full[n - 1:].argmax(-1).tolist()
 
 
 def test_the_cache_at_its_bucket_edges(single_process) -> None:
@@ -199,11 +253,11 @@ def test_the_ruler_decode_allocates_one_cache_for_all_its_cells(single_process,
     assert made == [(2, 2 * LENGTH_MULTIPLE)] and len(texts) == 3
 
 
-def test_the_ruler_decode_recomputes_where_no_cache_reproduces_the_attention(
+def test_the_ruler_decode_recomputes_where_the_engine_does_not_run(
         single_process, monkeypatch) -> None:
-    """DCA with a length scaling (its factors follow the whole sequence's length) decodes by
-    recomputation, where the engine refuses it; that path gives the engine's texts, cut after
-    the stop token as the engine stops, wherever the engine does decode (DCA, fp32)."""
+    """Where the engine does not run (tensor parallelism), the suite decodes by recomputation:
+    that path gives the engine's texts, cut after the stop token as the engine stops (DCA, and
+    DCA with the position-dependent `log` scaling; fp32)."""
     from trainer.evals import ruler_run
     from trainer.evals.ruler.specs import Sample
 
@@ -229,11 +283,8 @@ def test_the_ruler_decode_recomputes_where_no_cache_reproduces_the_attention(
     monkeypatch.setattr(ruler_run, "engine_takes", lambda model: False)
     assert ruler_run.decode(model, Tokenizer(eod), samples, options, progress=False) == cached
     monkeypatch.undo()
-    base, attention = KINDS["dca-qwen2"]
-    torch.manual_seed(0)
-    scaled = build_model(base, replace(attention, dca_scaling="yarn"), ParallelConfig(),
-                         vocab_size=VOCAB, max_sequence_length=16 * CHUNK).gpt.eval()
-    with pytest.raises(ValueError, match="dca_scaling"):
-        DecodeEngine(scaled, VOCAB, options).reserve(1, 4 * CHUNK)
-    texts = ruler_run.decode(scaled, Tokenizer(-1), samples, options, progress=False)
-    assert [len(t.split()) for t in texts] == budgets
+    scaled = model_of("dca-log")
+    cached = ruler_run.decode(scaled, Tokenizer(-1), samples, options, progress=False)
+    assert [len(t.split()) for t in cached] == budgets
+    monkeypatch.setattr(ruler_run, "engine_takes", lambda model: False)
+    assert ruler_run.decode(scaled, Tokenizer(-1), samples, options, progress=False) == cached

@@ -50,6 +50,17 @@ def test_cached_greedy_decoding_is_recomputation(checkpoint, name: str) -> None:
     assert len(shown) > 1  # printed as it came, not at the end
 
 
+def test_dca_with_a_position_scaling_decodes_cached_as_recomputed(checkpoint) -> None:
+    """The `log` scaling's factors follow each query's position: the cache reproduces them."""
+    args = [f"checkpoint.load={checkpoint('dca-qwen2')}", f"prompt={PROMPT!r}",
+            "max_new_tokens=24", "stop_at_eod=false", "trainer.device=cpu", "+attention=dca"]
+    scaled = args + ["attention.dca_scaling=log", "attention.dca_scaling_attn_scale=0.5",
+                     f"attention.dca_scaling_floor_scale={CHUNK // 2}"]
+    cached = generate(config(scaled))
+    assert cached == generate(config(scaled + ["kv_cache=false"]))
+    assert cached != generate(config(args))  # the factors change what greedy picks
+
+
 @pytest.mark.slow  # several seconds: CI runs it, the quick lane leaves it
 def test_sampling_is_seeded_and_cached_equals_recomputed(checkpoint) -> None:
     args = [f"checkpoint.load={checkpoint('dca-yarn-gated')}", f"prompt={PROMPT!r}",
@@ -96,7 +107,6 @@ def test_many_prompts_decode_in_batches_as_each_alone(checkpoint, tmp_path: Path
     (["temperature=nan"], "temperature"), (["batch_size=0"], "batch_size"),
     (["decode.max_cache_gb=0.000001"], "KV cache .* needs .* decode.max_cache_gb"),
     (["decode.max_cache_gb=-1"], "positive size"),
-    (["+attention=dca", "attention.dca_scaling=log"], "dca_scaling=log .* kv_cache=false"),
 ])
 def test_bad_settings_are_one_error_before_the_model(checkpoint, extra: list[str],
                                                      message: str) -> None:

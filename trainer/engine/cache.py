@@ -18,6 +18,13 @@ Keys: layers that megatron rotates cache rotated keys; DCA layers (which rotate 
 themselves) cache keys rotated to their in-chunk offset `j mod L` with the trainer's DCA tables,
 so a query is rotated three ways against them (`decode_attention`); chunked models' NoPE layers
 cache keys unrotated.
+
+DCA's logit scaling (`attention.dca_scaling`) multiplies each query's rotated copies by its
+factors (models/attention/dca/scaling.py): a prompt's tokens take the factors of their prefill
+(positions in a prompt of its length), a generated token those of its position at a length of
+position + 1, and the cache keeps what each token's layers computed, as vLLM decodes
+Qwen2.5-1M. A length-dependent scaling (`yarn`) therefore needs every prompt of a prefill to
+have the same length, which the engine arranges (`LayerCache.length_dependent`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from megatron.core.transformer.module import Float16Module
 from ckpt.remote_code.longctx_attention import causal_attention, dca_attention, dca_positions
 from models.attention.chunked_module import ChunkedCoreAttention
 from models.attention.dca.module import DCACoreAttention
+from models.attention.dca.scaling import token_factors
 from models.attention.decode import decode_attention
 from models.attention.rope import apply_rope, rope_cos_sin
 
@@ -41,22 +49,11 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, Float16Module) else model
 
 
-def check_cacheable(model: torch.nn.Module) -> None:
-    """ValueError for a model whose attention a cache cannot reproduce."""
-    for layer in unwrapped(model).decoder.layers:
-        core = layer.self_attention.core_attention
-        if isinstance(core, DCACoreAttention) and core.scaling.active:
-            raise ValueError("attention.dca_scaling depends on the whole sequence's length, so "
-                             "cached decoding cannot reproduce it: set attention.dca_scaling=none "
-                             "(or decode.kv_cache=false)")
-
-
 class LayerCache:
     """The static cache of one model and the core-attention substitutions that use it."""
 
     def __init__(self, model: torch.nn.Module, batch: int, length: int) -> None:
         gpt = unwrapped(model)
-        check_cacheable(model)
         self.rotary = gpt.rotary_pos_emb
         self.cores = [layer.self_attention.core_attention for layer in gpt.decoder.layers]
         config = gpt.config
@@ -84,6 +81,23 @@ class LayerCache:
         # writes use. Both live as long as the cache: a captured graph reads their memory.
         self.pos = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.rows = torch.arange(batch, device=self.device)
+        # DCA's logit scaling (every DCA layer has the same), and a step's factors [b, 3]
+        scaled = [core for core in self.cores
+                  if isinstance(core, DCACoreAttention) and core.scaling.active]
+        self.scaled = scaled[0] if scaled else None
+        self.factors: torch.Tensor | None = None
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether a prompt's factors depend on its length: then a prefill takes prompts of one
+        length only, and a prompt prefilled in pieces takes every piece through `extend`."""
+        return self.scaled is not None and self.scaled.scaling.length_dependent
+
+    def _factors(self, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+        """[..., 3] DCA logit factors of queries at `positions` in sequences of `lengths`."""
+        if self.scaled is None:
+            return None
+        return token_factors(self.scaled.scaling, self.scaled.chunk_size, positions, lengths)
 
     @staticmethod
     def nbytes(num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
@@ -113,7 +127,7 @@ class LayerCache:
         self.values[i][slots, :, start:start + s] = v.transpose(1, 2)
         return self.keys[i][slots, :, :start + s], self.values[i][slots, :, :start + s]
 
-    def _extend_forward(self, i: int, slots: slice, start: int):
+    def _extend_forward(self, i: int, slots: slice, start: int, factors: torch.Tensor | None):
         core = self.cores[i]
 
         def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
@@ -125,7 +139,7 @@ class LayerCache:
                 cos, sin = self.tables[i]
                 out = dca_attention(q, k.to(q.dtype), v.to(q.dtype),
                                     chunk_size=core.chunk_size, local_size=core.local_size,
-                                    cos=cos, sin=sin, scale=scale)
+                                    cos=cos, sin=sin, scale=scale, factors=factors)
             else:
                 chunk = core.chunk_size if isinstance(core, ChunkedCoreAttention) else None
                 out = causal_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale,
@@ -157,7 +171,8 @@ class LayerCache:
             cos, sin = self.tables.get(i, (None, None))
             out = decode_attention(q, self.keys[i], self.values[i], self.pos + 1,
                                    scale=core.scale(q), kind=kind, chunk_size=chunk,
-                                   local_size=local, cos=cos, sin=sin)  # [b, hq, d]
+                                   local_size=local, cos=cos, sin=sin,
+                                   factors=self.factors if kind == "dca" else None)
             return out.flatten(1)[None]  # [1, b, hq * d]
 
         return forward
@@ -181,16 +196,25 @@ class LayerCache:
                 handle.remove()
 
     @contextlib.contextmanager
-    def extend(self, slots: slice, start: int) -> Iterator[None]:
+    def extend(self, slots: slice, start: int, total: int) -> Iterator[None]:
         """A forward of the tokens at positions [start, start + p) of the batch `slots`, the
-        earlier ones already cached."""
+        earlier ones already cached, of prompts `total` tokens long (DCA's scaling)."""
         original = self.rotary.forward
+        factors = None
 
         def rotary(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+            nonlocal factors  # once per forward, before any layer: the pieces' DCA factors
+            positions = torch.arange(start, start + max_seq_len, device=self.device)
+            made = self._factors(positions, torch.full_like(positions, total))
+            factors = None if made is None else made.T.contiguous()  # [3, p]
             return original(start + max_seq_len, *args, **kwargs)[start:]
 
-        with self._substituted(rotary, [self._extend_forward(i, slots, start)
-                                        for i in range(len(self.cores))]):
+        def forward(i: int):
+            def run(*args, **kwargs) -> torch.Tensor:
+                return self._extend_forward(i, slots, start, factors)(*args, **kwargs)
+            return run
+
+        with self._substituted(rotary, [forward(i) for i in range(len(self.cores))]):
             yield
 
     @contextlib.contextmanager
@@ -199,6 +223,8 @@ class LayerCache:
         table = self.rotary_table
 
         def rotary(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+            # once per step, before any layer (a captured graph recomputes them from pos)
+            self.factors = self._factors(self.pos, self.pos + 1)
             return table[self.pos].transpose(0, 1)  # [length, 1, 1, d] -> [1, b, 1, d]
 
         with self._substituted(rotary, [self._step_forward(i) for i in range(len(self.cores))]):

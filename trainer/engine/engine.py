@@ -191,6 +191,8 @@ class DecodeEngine:
         while start < len(prompts):
             width = len(prompts[start])  # the longest of the rest (sorted longest first)
             rows = max(1, min(len(prompts) - start, budget // width))
+            if self.cache.length_dependent:  # DCA's factors follow the prompt's length
+                rows = sum(1 for p in prompts[start:start + rows] if len(p) == width)
             group = prompts[start:start + rows]
             out.append(self._prefill_group(slice(start, start + rows), group))
             start += rows
@@ -207,12 +209,16 @@ class DecodeEngine:
             with self.cache.record(slots), self._logits_at(last):
                 return self._logits(tokens)
         # one prompt longer than a forward may hold: the first piece through the model's own
-        # attention, the rest each attending to the cache
-        with self.cache.record(slots), self._logits_at(last.clamp(max=piece - 1)):
-            logits = self._logits(tokens[:, :piece])
-        for begin in range(piece, width, piece):
+        # attention (unless DCA's factors follow the whole prompt's length, which that forward
+        # would take as the piece's), the rest each attending to the cache
+        first = 0
+        if not self.cache.length_dependent:
+            with self.cache.record(slots), self._logits_at(last.clamp(max=piece - 1)):
+                logits = self._logits(tokens[:, :piece])
+            first = piece
+        for begin in range(first, width, piece):
             end = min(width, begin + piece)
-            with self.cache.extend(slots, begin), \
+            with self.cache.extend(slots, begin, width), \
                     self._logits_at((last - begin).clamp(0, end - begin - 1)):
                 logits = self._logits(tokens[:, begin:end])
         return logits

@@ -4,9 +4,8 @@ continuation starts with the answer's text.
 `Greedy` decodes on the engine (trainer/engine) for the trainer's own model at TP=1: prompts
 prefilled in batches, logits at each row's last token only, each further token one cached
 decode step. Any other model (a callable returning logits [b, s, vocab]: a TP-sharded model,
-DCA with its length-dependent scaling, which a cache cannot reproduce, the tests' scripted
-ones) is decoded by recomputing the whole sequence per token, rows of equal length together:
-the same greedy tokens in exact arithmetic.
+the tests' scripted ones) is decoded by recomputing the whole sequence per token, rows of
+equal length together: the same greedy tokens in exact arithmetic.
 """
 
 from __future__ import annotations
@@ -37,19 +36,13 @@ def _tp_size() -> int:
 
 def engine_takes(model: object) -> bool:
     """Whether the engine can decode `model`: the trainer's GPTModel (or its bf16 wrapper) at
-    TP=1 whose attention a cache reproduces (not DCA's length-dependent scaling)."""
+    TP=1."""
     from megatron.core.models.gpt import GPTModel
 
-    from trainer.engine.cache import check_cacheable, unwrapped
+    from trainer.engine.cache import unwrapped
 
-    if not (isinstance(model, torch.nn.Module) and isinstance(unwrapped(model), GPTModel)
-            and _tp_size() == 1):
-        return False
-    try:
-        check_cacheable(model)
-    except ValueError:
-        return False
-    return True
+    return (isinstance(model, torch.nn.Module) and isinstance(unwrapped(model), GPTModel)
+            and _tp_size() == 1)
 
 
 class Greedy:

@@ -108,15 +108,15 @@ def decode(model: torch.nn.Module, tokenizer, samples: list[Sample], options: En
 
 def _recomputed(model: torch.nn.Module, tokenizer, samples: list[Sample], mine: list[int],
                 batch_size: int, log_once: bool) -> dict[int, str]:
-    """The texts of samples `mine` decoded without a cache, for a model whose attention a
-    cache cannot reproduce (DCA with a length scaling): a forward of the whole sequence per
-    token, equal-length prompts batched, each text cut after its first end-of-text token, as
-    the engine stops (greedy's tokens up to there are the same)."""
+    """The texts of samples `mine` decoded without a cache, for a model the engine does not
+    take (tensor-parallel): a forward of the whole sequence per token, equal-length prompts
+    batched, each text cut after its first end-of-text token, as the engine stops (greedy's
+    tokens up to there are the same)."""
     from trainer.evals.decoding import Greedy
 
     if log_once:
-        log.warning("RULER: the model's attention (attention.dca_scaling) cannot be cached; "
-                    "decoding recomputes the whole sequence per token (slow at long lengths)")
+        log.warning("RULER: the decoding engine runs at TP=1 only; decoding recomputes the "
+                    "whole sequence per token (slow at long lengths)")
     device = next(model.parameters()).device
     greedy = Greedy(model, tokenizer.vocab_size, device, batch_size)
     tokens = greedy.continuations([samples[i].prompt_ids for i in mine],

@@ -13,8 +13,10 @@ so the kernels and the exact-gradient recipe are unchanged (dq picks up the same
             m = max(1, attn_scale * ln(n / original_length) + 1),   f = m^2
         (vLLM scales the keys by m and the softmax scale by m; YaRN's paper: sqrt(1/t) = 0.1 ln s
         + 1). attn_scale = 0.1 (YaRN); original_length defaults to the chunk size, as in
-        Qwen2.5-1M's config (original_max_position_embeddings == chunk_size == 262144). f
-        depends on the whole document's length, as in vLLM: meant for inference.
+        Qwen2.5-1M's config (original_max_position_embeddings == chunk_size == 262144). n is
+        the whole document's length in a forward; in cached decoding each token keeps the
+        factor of the length when it was computed (the prompt's length for the prompt, its own
+        position + 1 for a generated token), as vLLM's decoding does.
 
 parts: "all" (both sources scale every logit of the query), "succ_inter" (successive and inter)
 or "inter" (only keys two or more chunks back).
@@ -65,6 +67,33 @@ class DCAScaling:
     def active(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def length_dependent(self) -> bool:
+        """Whether a query's factor depends on its document's length, not on its position
+        alone (a prefill then groups only prompts of equal length)."""
+        return self.kind == "yarn"
+
+
+def token_factors(scaling: DCAScaling, chunk_size: int, positions: torch.Tensor,
+                  lengths: torch.Tensor) -> torch.Tensor:
+    """[..., 3] float32 logit factor per DCA part of the queries at `positions` in documents of
+    `lengths` tokens (both [...], on one device). Torch ops on that device only: a captured
+    decode step computes them from its position tensor."""
+    f = _factor(scaling, chunk_size, positions.to(torch.float64), lengths.to(torch.float64))
+    # the scaled parts are a suffix of (0, 1, 2): a mask from arange, no host-to-device copy
+    scaled = torch.arange(3, device=f.device) >= SCALED_PARTS[scaling.parts][0]
+    return torch.where(scaled, f[..., None], 1.0).to(torch.float32)
+
+
+def _factor(scaling: DCAScaling, chunk_size: int, pos: torch.Tensor,
+            length: torch.Tensor) -> torch.Tensor:
+    """f of queries at positions `pos` in documents of `length` tokens (float64, same shape)."""
+    if scaling.kind == "log":
+        return 1 + scaling.attn_scale * torch.log1p(torch.floor((pos + 1) / scaling.floor_scale))
+    original = scaling.original_length or chunk_size
+    m = (scaling.attn_scale * torch.log(length / original) + 1).clamp(min=1)
+    return m * m
+
 
 def query_factors(scaling: DCAScaling, chunk_size: int, seq: int,
                   bounds: tuple[int, ...] | None, num_parts: int, dtype: torch.dtype,
@@ -97,12 +126,7 @@ def _factors(scaling: DCAScaling, chunk_size: int, seq: int, bounds: tuple[int, 
         sizes = edges.diff()
         pos = (torch.arange(seq) - edges[:-1].repeat_interleave(sizes)).to(torch.float64)
         length = sizes.repeat_interleave(sizes)
-    if scaling.kind == "log":
-        f = 1 + scaling.attn_scale * torch.log1p(torch.floor((pos + 1) / scaling.floor_scale))
-    else:
-        original = scaling.original_length or chunk_size
-        m = (scaling.attn_scale * torch.log(length.to(torch.float64) / original) + 1).clamp(min=1)
-        f = m * m
+    f = _factor(scaling, chunk_size, pos, length.to(torch.float64))
     if bool((f == 1).all()):
         return None  # nothing to scale (e.g. every document within its trained length)
     ones = torch.ones_like(f)
