@@ -67,9 +67,11 @@ _HF_NAMES = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_val
              "rope_scaling_factor": "rope_scaling.factor",
              "rope_original_max_position": "rope_scaling.original_max_position_embeddings"}
 # The "longctx" block an export writes (ckpt/hf_export.py): its keys, each one of ours.
+_SCALING_KEYS = ("dca_scaling", "dca_scaling_parts", "dca_scaling_attn_scale",
+                 "dca_scaling_floor_scale", "dca_scaling_original_length")
 _LONGCTX_KEYS = ("attention", "head_wise_attn_gate", "qkv_bias", "dca_chunk_size",
                  "dca_local_size", "chunk_size", "global_layer_interval",
-                 "original_max_position_embeddings")
+                 "original_max_position_embeddings", *_SCALING_KEYS)
 REMOTE_CODE_FILES = ("configuration_longctx.py", "modeling_longctx.py", "longctx_attention.py")
 
 
@@ -234,7 +236,8 @@ def attention_config(cfg: dict[str, Any], path: Path = Path("config.json")) -> A
         raise HFError(f'{path}: "longctx" holds settings {unknown} that no export writes; '
                       f"it knows {list(_LONGCTX_KEYS)}")
     values = {key: settings[key] for key in ("dca_chunk_size", "dca_local_size", "chunk_size",
-                                             "global_layer_interval", "head_wise_attn_gate")
+                                             "global_layer_interval", "head_wise_attn_gate",
+                                             *_SCALING_KEYS)
               if key in settings}
     att = AttentionConfig(kind=settings.get("attention", "standard"), **values)
     try:

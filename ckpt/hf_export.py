@@ -18,7 +18,8 @@ extends it to, the model's own then recorded as "longctx".original_max_position_
 
 Training-free context extension, shipped without a fine-tune: `--attention dca` exports the
 model with Dual Chunk Attention (sizes `--dca-chunk-size`/`--dca-local-size`, default ChunkLlama's
-split of the model's own length T: 3T/4 and T/16), `--rope-scaling linear|ntk|yarn --rope-factor
+split of the model's own length T: 3T/4 and T/16; `--dca-scaling log|yarn` adds its logit
+scaling, log from T on), `--rope-scaling linear|ntk|yarn --rope-factor
 s` with RoPE scaling from T (a plain Llama/Qwen2 config transformers runs natively); either
 records `--max-position-embeddings` (default 4T for DCA, sT for RoPE scaling).
 """
@@ -59,12 +60,7 @@ def _model(ckpt: Checkpoint) -> ModelConfig:
 
 
 def _refusals(ckpt: Checkpoint, m: ModelConfig) -> list[str]:
-    att = ckpt.meta.attention
     problems = []
-    if att.dca_scaling != "none":
-        problems.append(f"attention.dca_scaling={att.dca_scaling}: the length-dependent DCA "
-                        "logit scaling is not in the exported model (export a checkpoint saved "
-                        "with dca_scaling=none)")
     if m.normalization != "RMSNorm" or not m.swiglu:
         problems.append(f"model.normalization={m.normalization}, model.swiglu={m.swiglu}: only "
                         "RMSNorm + SwiGLU models are Llama-shaped")
@@ -83,6 +79,12 @@ def _longctx(ckpt: Checkpoint, m: ModelConfig, original_max: int) -> dict[str, A
                            "original_max_position_embeddings": original_max}
     if att.kind == "dca":
         out.update(dca_chunk_size=att.dca_chunk_size, dca_local_size=att.dca_local_size)
+        if att.dca_scaling != "none":
+            out.update(dca_scaling=att.dca_scaling, dca_scaling_parts=att.dca_scaling_parts,
+                       dca_scaling_attn_scale=att.dca_scaling_attn_scale,
+                       dca_scaling_floor_scale=att.dca_scaling_floor_scale,
+                       dca_scaling_original_length=(att.dca_scaling_original_length
+                                                    or att.dca_chunk_size))
     if att.kind == "chunked":
         out.update(chunk_size=att.chunk_size, global_layer_interval=att.global_layer_interval)
     return out
@@ -113,11 +115,15 @@ def _family(ckpt: Checkpoint, m: ModelConfig) -> str:
 
 def _remote_code(cfg: dict[str, Any], family: str, m: ModelConfig) -> dict[str, Any]:
     """config.json for the remote code: LongCtxForCausalLM, or for a Qwen2-shaped DCA model that
-    sglang can serve (no RoPE scaling: its DCA rotary ignores it; no gate) a Qwen2 config with
-    sglang's `dual_chunk_attention_config` (chunk_size, local_size; original_max_position_
-    embeddings 0 turns its length-dependent scaling off, as ours is)."""
+    sglang can serve (no RoPE scaling: its DCA rotary ignores it; no gate; no logit scaling but
+    the `yarn` one with its sources' constants on every part) a Qwen2 config with sglang's
+    `dual_chunk_attention_config` (chunk_size, local_size; original_max_position_embeddings:
+    0 turns its length-dependent scaling off, else it is the `yarn` scaling's length)."""
     settings = cfg["longctx"]
-    sglang = (family == "qwen2" and settings["attention"] == "dca"
+    scaling = settings.get("dca_scaling", "none")
+    served = scaling == "none" or (scaling == "yarn" and settings["dca_scaling_parts"] == "all"
+                                   and settings["dca_scaling_attn_scale"] == 0.1)
+    sglang = (family == "qwen2" and settings["attention"] == "dca" and served
               and not settings["head_wise_attn_gate"] and m.rope_scaling_type == "none")
     kind = "LongCtxQwen2" if sglang else "LongCtx"
     cfg["auto_map"] = {"AutoConfig": f"configuration_longctx.{kind}Config",
@@ -125,7 +131,7 @@ def _remote_code(cfg: dict[str, Any], family: str, m: ModelConfig) -> dict[str, 
     if sglang:
         cfg["dual_chunk_attention_config"] = {
             "chunk_size": settings["dca_chunk_size"], "local_size": settings["dca_local_size"],
-            "original_max_position_embeddings": 0}
+            "original_max_position_embeddings": settings.get("dca_scaling_original_length", 0)}
         return cfg
     cfg.update(architectures=["LongCtxForCausalLM"], model_type="longctx")
     for key in ("use_sliding_window", "sliding_window"):
@@ -150,14 +156,16 @@ class Extension:
     dca_local_size: int | None = None
     rope_scaling: str | None = None  # linear | ntk | yarn
     rope_factor: float | None = None
+    dca_scaling: str | None = None  # log (floor_scale T) | yarn: DCA's logit scaling
 
     def apply(self, ckpt: Checkpoint, own: int) -> tuple[Checkpoint, int]:
         """The checkpoint as if it had these settings, and the length to record by default."""
         meta = ckpt.meta
         if self.attention is None and self.rope_scaling is None:
-            if self.dca_chunk_size or self.dca_local_size or self.rope_factor:
-                raise HFError("--dca-chunk-size/--dca-local-size need --attention dca, "
-                              "--rope-factor needs --rope-scaling")
+            if self.dca_chunk_size or self.dca_local_size or self.dca_scaling \
+                    or self.rope_factor:
+                raise HFError("--dca-chunk-size/--dca-local-size/--dca-scaling need --attention "
+                              "dca, --rope-factor needs --rope-scaling")
             return ckpt, 0
         if self.attention and self.rope_scaling:
             raise HFError("choose one extension: --attention dca or --rope-scaling")
@@ -173,7 +181,16 @@ class Extension:
                               f"--dca-chunk-size {chunk}")
             attention = dataclasses.replace(meta.attention, kind="dca", dca_chunk_size=chunk,
                                             dca_local_size=local)
-            print(f"adding DCA: chunk {chunk}, local window {local} (the model's length {own})")
+            if self.dca_scaling is not None:
+                if self.dca_scaling not in ("log", "yarn"):
+                    raise HFError(f"--dca-scaling {self.dca_scaling}: choose log or yarn")
+                # log from the model's own length on (1 within it); yarn as its source
+                attention = dataclasses.replace(attention, dca_scaling=self.dca_scaling)
+                if self.dca_scaling == "log":
+                    attention = dataclasses.replace(attention, dca_scaling_floor_scale=own)
+            print(f"adding DCA: chunk {chunk}, local window {local}"
+                  f"{f', {self.dca_scaling} scaling' if self.dca_scaling else ''} (the model's "
+                  f"length {own})")
             return _with(ckpt, dataclasses.replace(meta, attention=attention)), 4 * own
         if self.rope_scaling not in ("linear", "ntk", "yarn"):
             raise HFError(f"--rope-scaling {self.rope_scaling}: choose linear, ntk or yarn")
@@ -306,6 +323,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="DCA's chunk (default 3T/4 of the model's length T)")
     extend.add_argument("--dca-local-size", type=int, metavar="W",
                         help="DCA's local window (default T/16)")
+    extend.add_argument("--dca-scaling", choices=("log", "yarn"),
+                        help="DCA's logit scaling: log (Llama 4's temperature from the model's "
+                             "length T on) or yarn (Qwen2.5-1M's)")
     extend.add_argument("--rope-scaling", choices=("linear", "ntk", "yarn"),
                         help="export with RoPE scaling from the model's length")
     extend.add_argument("--rope-factor", type=float, metavar="S",
@@ -315,7 +335,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     extension = Extension(args.attention, args.dca_chunk_size, args.dca_local_size,
-                          args.rope_scaling, args.rope_factor)
+                          args.rope_scaling, args.rope_factor, args.dca_scaling)
     export_hf(args.src, args.dst, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
               max_positions=args.max_position_embeddings, extension=extension)
     return 0

@@ -7,7 +7,9 @@ from transformers import LlamaConfig
 class LongCtxConfig(LlamaConfig):
     """`longctx`: {"attention": "standard" | "dca" | "chunked", "dca_chunk_size",
     "dca_local_size", "chunk_size", "global_layer_interval", "head_wise_attn_gate", "qkv_bias",
-    "original_max_position_embeddings"}."""
+    "original_max_position_embeddings", and for DCA's logit scaling "dca_scaling" ("none" |
+    "log" | "yarn"), "dca_scaling_parts", "dca_scaling_attn_scale", "dca_scaling_floor_scale",
+    "dca_scaling_original_length"}."""
 
     model_type = "longctx"
 

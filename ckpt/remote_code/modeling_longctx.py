@@ -4,7 +4,9 @@ trainer's variant, with a KV cache for `generate()`.
 Per layer, by the config's "longctx" settings: Dual Chunk Attention (keys cached rotated to their
 in-chunk offset; each new query rotated three ways), chunked attention (Llama 4: a query sees its
 own chunk; every `global_layer_interval`-th layer global and without RoPE) or standard causal
-attention; optionally a sigmoid gate per head on the attention output (`gate_proj`). Batches
+attention; optionally a sigmoid gate per head on the attention output (`gate_proj`). DCA may
+scale its logits (`dca_factors`): `log` by each query's position, `yarn` by the sequence's length
+after the forward (a prompt's length in the prefill, position + 1 for each new token). Batches
 must be unpadded (every row of `attention_mask` all ones): the layers ignore the mask and compute
 their own. The cache may be dynamic or static (`generate(..., cache_implementation="static")`,
 which transformers compiles on CUDA): positions come from the cache's length (a tensor for a
@@ -33,6 +35,31 @@ def layer_kind(settings: dict, layer_idx: int) -> str:
     if kind == "chunked" and interval > 0 and (layer_idx + 1) % interval == 0:
         return "global"
     return kind
+
+
+SCALED_PARTS = {"all": 0, "succ_inter": 1, "inter": 2}  # the first of DCA's parts each scales
+
+
+def dca_factors(settings: dict, pos: torch.Tensor) -> torch.Tensor | None:
+    """[3, s] float32 logit factors of queries at positions `pos` [s] for DCA's own-chunk,
+    previous-chunk and older keys, or None without a scaling. `log`: Llama 4's temperature,
+    1 + attn_scale * ln(floor((p + 1) / floor_scale) + 1); `yarn`: Qwen2.5-1M's, m^2 with
+    m = max(1, attn_scale * ln(n / original_length) + 1) and n the sequence's length after this
+    forward (vLLM's rule; the trainer's engine decodes by it too)."""
+    kind = settings.get("dca_scaling", "none")
+    if kind == "none":
+        return None
+    p = pos.to(torch.float64)
+    scale = settings["dca_scaling_attn_scale"]
+    if kind == "log":
+        f = 1 + scale * torch.log1p(torch.floor((p + 1) / settings["dca_scaling_floor_scale"]))
+    else:
+        n = p[-1:] + 1  # a tensor: a static cache's positions are read without a host sync
+        m = (scale * torch.log(n / settings["dca_scaling_original_length"]) + 1).clamp(min=1)
+        f = (m * m).expand_as(p)
+    parts = torch.arange(3, device=pos.device)[:, None]
+    return torch.where(parts >= SCALED_PARTS[settings["dca_scaling_parts"]], f[None],
+                       1.0).float()
 
 
 class LongCtxAttention(LlamaAttention):
@@ -96,7 +123,8 @@ class LongCtxAttention(LlamaAttention):
         positions = None if exact else pos
         if self.kind == "dca":
             out = dca_attention(q, k, v, chunk_size=chunk, local_size=local, cos=cos, sin=sin,
-                                scale=self.scaling, positions=positions)
+                                scale=self.scaling, positions=positions,
+                                factors=dca_factors(self.settings, pos))
         else:
             out = causal_attention(q, k, v, scale=self.scaling, chunk_size=self.settings.get(
                 "chunk_size") if self.kind == "chunked" else None, positions=positions)

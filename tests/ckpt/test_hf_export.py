@@ -15,7 +15,6 @@ from ckpt.hf_export import export_hf
 from ckpt.hf_import import import_hf
 from tests.ckpt import hf_models
 from tests.ckpt.hf_models import VOCAB, hf_logits, save_hf
-from tests.ckpt.longctx_models import write_variant
 
 hf_imported = hf_models.hf_imported  # the shared fixture
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -121,7 +120,7 @@ def test_trainer_checkpoints_export_their_real_vocabulary_length_and_gate(
     """A byte-tokenizer run exports 257 rows; a fine-tune of an imported model (on its own
     tokenizer, at a shorter length) exports the model's vocabulary and context length, loads in
     transformers and copies the tokenizer; a head-gated fine-tune exports with its gate (remote
-    code); a DCA length scaling the export cannot carry is refused, naming the setting."""
+    code)."""
     from transformers import AutoModelForCausalLM
 
     run_training(["trainer.max_steps=2", "trainer.save_interval=2"], name="byte")
@@ -149,9 +148,3 @@ def test_trainer_checkpoints_export_their_real_vocabulary_length_and_gate(
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "gated_hf", trust_remote_code=True)
     assert torch.equal(model.model.layers[0].self_attn.gate_proj.weight, gate)
 
-    scaled = write_variant(tmp_path / "scaled", "dca-qwen2", dca_scaling="log")
-    capsys.readouterr()
-    assert main(["export-hf", str(scaled), str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: cannot export") and "attention.dca_scaling=log" in err, err
-    assert not (tmp_path / "x").exists()

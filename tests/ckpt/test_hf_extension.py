@@ -65,6 +65,22 @@ def test_dca_added_at_export_runs_as_the_trainer_runs_it(hf_imported, tmp_path: 
     assert (standard - theirs).abs().max().item() > 1e-3  # 10x the tolerance: not standard
 
 
+def test_dca_with_its_log_scaling_added_at_export(hf_imported, tmp_path: Path) -> None:
+    """`--dca-scaling log`: Llama 4's temperature from the model's length T on (floor_scale T),
+    the trainer's logits over 4T (the factors differ from 1 past T)."""
+    _, root = hf_imported("qwen2", False)
+    export_hf(root, tmp_path / "hf", extension=Extension(attention="dca", dca_scaling="log"))
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())["longctx"]
+    assert (settings["dca_scaling"], settings["dca_scaling_floor_scale"]) == ("log", OWN)
+    dca = AttentionConfig(kind="dca", dca_chunk_size=48, dca_local_size=4)
+    scaled = replace(dca, dca_scaling="log", dca_scaling_floor_scale=OWN)
+    ours, theirs = trainer_logits(root, scaled), hf_logits(tmp_path / "hf")
+    # this small model's logits move 4e-4 with the factors (<= 1.14 at 4T): the export must
+    # match to 1e-5, a tenth of that
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (trainer_logits(root, dca) - theirs).abs().max().item() > 1e-4
+
+
 @pytest.mark.parametrize("kind", ["yarn", "linear", "ntk"])
 def test_rope_scaling_added_at_export_runs_in_plain_transformers(hf_imported, tmp_path: Path,
                                                                  kind: str) -> None:
@@ -83,6 +99,7 @@ def test_rope_scaling_added_at_export_runs_in_plain_transformers(hf_imported, tm
 @pytest.mark.parametrize(("extension", "message"), [
     (Extension(attention="dca", rope_scaling="yarn"), "choose one extension"),
     (Extension(dca_chunk_size=32), "need --attention dca"),
+    (Extension(dca_scaling="log"), "need --attention dca"),
     (Extension(attention="dca", dca_chunk_size=8, dca_local_size=8), "below --dca-chunk-size"),
     (Extension(rope_scaling="yarn", rope_factor=0.5), "must be above 1"),
 ])

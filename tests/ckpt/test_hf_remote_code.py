@@ -220,3 +220,67 @@ def test_loading_an_export_emits_no_warning(exported, hf_imported, tmp_path: Pat
             model = load(directory)
         assert not records, (directory.name, [r.getMessage() for r in records])
     assert type(model).__name__ == "MistralForCausalLM"
+
+
+# DCA's logit scalings, steep enough to move these models' logits (CHUNK = 16, L = 12)
+SCALED = {"log": {"dca_scaling": "log", "dca_scaling_parts": "succ_inter",
+                  "dca_scaling_attn_scale": 0.5, "dca_scaling_floor_scale": 8},
+          "yarn": {"dca_scaling": "yarn", "dca_scaling_attn_scale": 0.5,
+                   "dca_scaling_original_length": 16}}
+
+
+def _engine_greedy(root: Path, prompt: list[int], steps: int) -> list[int]:
+    """The trainer's engine (trainer/engine) decoding the checkpoint's model, greedy, fp32."""
+    from models.gpt import build_model
+    from models.schema import ParallelConfig
+    from parallel.distributed import initialize_parallel, shutdown
+    from trainer.engine import DecodeEngine
+
+    ckpt = resolve_checkpoint(root)
+    saved = Checkpoint(ckpt).meta
+    initialize_parallel(torch.device("cpu"), tp=1, seed=0)
+    try:
+        built = build_model(saved.model, saved.attention, ParallelConfig(), vocab_size=VOCAB,
+                            max_sequence_length=SEQ)
+        from ckpt.load import load_model_weights
+        load_model_weights(ckpt, built.gpt)
+        return DecodeEngine(built.gpt.eval(), VOCAB).generate([prompt], steps)[0]
+    finally:
+        shutdown()
+
+
+@pytest.mark.parametrize("kind", list(SCALED))
+def test_a_scaled_dca_export_runs_as_the_trainer_and_decodes_as_its_engine(
+        tmp_path: Path, kind: str) -> None:
+    """DCA with a logit scaling exports with it: whole-sequence logits equal the trainer's
+    (1e-4, fp32; and differ from the unscaled model's), transformers' cached greedy decoding
+    equals the trainer's engine (`yarn`: both give a token the factor of the sequence's length
+    when it is computed), and import-hf reads the scaling back."""
+    root = write_variant(tmp_path / "ckpt", "dca-qwen2", **SCALED[kind])
+    export_hf(root, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["longctx"]["dca_scaling"] == kind
+    assert config["model_type"] == "longctx"  # attn_scale 0.5: no serving engine's scaling
+    if kind == "yarn":  # with its source's constants sglang computes it from this length
+        export_hf(write_variant(tmp_path / "src", "dca-qwen2", dca_scaling="yarn"),
+                  tmp_path / "served")
+        served = json.loads((tmp_path / "served" / "config.json").read_text())
+        assert served["model_type"] == "qwen2"
+        assert served["dual_chunk_attention_config"]["original_max_position_embeddings"] == CHUNK
+    model = load(tmp_path / "hf")
+    ours = trainer_logits(root, TOKENS)
+    with torch.no_grad():
+        theirs = model(TOKENS).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    _, attention = VARIANTS["dca-qwen2"]
+    assert (trainer_logits(root, TOKENS, attention) - theirs).abs().max().item() > 1e-2
+    prompt = TOKENS[:1, :20]
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                attention_mask=torch.ones_like(prompt))[0, 20:].tolist()
+    assert cached == _engine_greedy(root, prompt[0].tolist(), 40)
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    back = Checkpoint(resolve_checkpoint(tmp_path / "back")).meta.attention
+    saved = Checkpoint(resolve_checkpoint(root)).meta.attention
+    assert back == replace(saved, dca_scaling_original_length=saved.dca_scaling_original_length
+                           or saved.dca_chunk_size)
