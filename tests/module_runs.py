@@ -12,8 +12,10 @@ import runpy
 import signal
 import subprocess
 import sys
+import time
 import traceback
 import warnings
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 from tests.conftest import forked_workers, free_port, start_forkserver
@@ -177,20 +179,40 @@ def run_module_ranks(module: str, args: list[str], nproc: int, cwd: Path,
     """`python -m module args` on `nproc` ranks as `torchrun --standalone --nproc-per-node nproc`
     starts them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, one thread each), forked like
     `start_module` instead of new interpreters; torchrun's own part (its agent, its report, the
-    error file) is tested with torchrun itself. Returns each rank's result."""
-    port = free_port()
-    runs = []
-    for rank in range(nproc):
-        rank_env = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1"}
-        runs.append(start_module(module, args, cwd, rank_env, threads=1))
+    error file) is tested with torchrun itself. Returns each rank's result. A port taken by
+    another test's processes between `free_port` and rank 0's store (EADDRINUSE: no rank got
+    past the rendezvous) is a clean start on another port, as in `conftest.spawn`."""
+    retries = 2
+    while True:
+        port = free_port()
+        runs = []
+        for rank in range(nproc):
+            rank_env = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            runs.append(start_module(module, args, cwd, rank_env, threads=1))
+        if _port_taken(runs, timeout) and retries:
+            retries -= 1
+            continue
+        return [subprocess.CompletedProcess([module, *args], run.returncode, *run.output())
+                for run in runs]
+
+
+def _port_taken(runs: list[ModuleRun], timeout: float) -> bool:
+    """Wait for every run to end (TimeoutExpired after `timeout` s); True, the others killed, as
+    soon as one has failed on a taken port: the other ranks would wait for a store that never
+    answers (or is another test's)."""
+    deadline = time.monotonic() + timeout
     try:
-        for run in runs:
-            run.wait(timeout)
+        while pending := [run for run in runs if run.poll() is None]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(pending[0].process.name, timeout)
+            mp_connection.wait([run.process.sentinel for run in pending], timeout=left)
+            if any(run.poll() and "EADDRINUSE" in run.output()[1] for run in runs):
+                return True
+        return False
     finally:
         for run in runs:
             run.kill()
-    return [subprocess.CompletedProcess([module, *args], run.returncode, *run.output())
-            for run in runs]
