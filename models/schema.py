@@ -97,7 +97,7 @@ class AttentionConfig:
     # the parts it scales: all, succ_inter (successive and inter-chunk), inter
     dca_scaling_parts: DCAScaledParts = DCAScaledParts.all
     dca_scaling_attn_scale: float = 0.1
-    dca_scaling_floor_scale: int = 8192  # log only
+    dca_scaling_floor_scale: int = 8192  # log only; unset on a pretrained model: its length
     dca_scaling_original_length: int | None = None  # yarn only; None: dca_chunk_size
     chunk_size: int = 8192  # chunked: a query sees its chunk (unset: seq_length / 4, <= 8192)
     global_layer_interval: int = 0  # chunked: every Nth layer global causal without RoPE (0: none)

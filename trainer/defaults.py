@@ -12,7 +12,9 @@ value: the lr floor and warm-up of a run, and the DCA and chunked attention size
 - DCA applied to a model that exists (a checkpoint to evaluate, generate from, fine-tune or
   export) with its sizes unset: the sizes it was trained with when it was trained with DCA, else
   ChunkLlama's split of its own length T (`models.schema.dca_pretrained_split`: 3T/4, T/16;
-  measured on a real pretrained model in docs/experiments.md).
+  measured on a real pretrained model in docs/experiments.md). With the `log` logit scaling on
+  such a model and `dca_scaling_floor_scale` unset, the temperature starts at T (floor_scale T:
+  1 within the length the model was trained to); otherwise floor_scale is Llama 4's 8192.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from models.schema import dca_pretrained_split
+from models.schema import AttentionConfig, DCAScalingKind, dca_pretrained_split
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +41,45 @@ def local_default(chunk_size: int) -> int:
     return max(1, int(chunk_size) // 8)
 
 
+def floor_default() -> int:
+    """The `log` scaling's floor_scale where nothing sets it: Llama 4's (AttentionConfig's)."""
+    return AttentionConfig.dca_scaling_floor_scale
+
+
 DCA_SIZES = ("dca_chunk_size", "dca_local_size")
+FLOOR = "dca_scaling_floor_scale"
 
 
 def set_sizes(attention: DictConfig) -> set[str]:
-    """The DCA sizes given a value (the rest still hold conf/attention/dca.yaml's defaults, the
-    `chunk_default` interpolations)."""
-    return {k for k in DCA_SIZES if k in attention and not OmegaConf.is_interpolation(attention, k)}
+    """The DCA sizes and the log scaling's floor given a value (the rest still hold
+    conf/attention/dca.yaml's defaults, the `chunk_default` and `floor_default`
+    interpolations)."""
+    return {k for k in (*DCA_SIZES, FLOOR)
+            if k in attention and not OmegaConf.is_interpolation(attention, k)}
 
 
 def adopt_dca_split(attention: DictConfig, trained_kind: str, trained_sizes: tuple[int, int],
                     length: int, typed: set[str]) -> str | None:
     """DCA applied to an existing model (trained with `trained_kind`, at `trained_sizes` if that
-    was DCA; its own length `length`): fill the sizes not in `typed` (`set_sizes`), in place;
-    returns the one log line that says what was chosen (None when nothing was)."""
-    if attention.kind != "dca" or set(DCA_SIZES) <= typed:
+    was DCA; its own length `length`): fill the sizes not in `typed` (`set_sizes`), and for a
+    model trained without DCA the log scaling's floor, in place; returns the one log line that
+    says what was chosen (None when nothing was)."""
+    if attention.kind != "dca":
         return None
+    notes = []
+    if not set(DCA_SIZES) <= typed:
+        notes.append(_adopt_sizes(attention, trained_kind, trained_sizes, length, typed))
+    if trained_kind != "dca" and attention.get("dca_scaling") == DCAScalingKind.log \
+            and FLOOR not in typed:
+        with open_dict(attention):
+            attention[FLOOR] = int(length)
+        notes.append(f"log scaling from the model's length {length} on (set "
+                     f"attention.{FLOOR} to choose)")
+    return "; ".join(notes) or None
+
+
+def _adopt_sizes(attention: DictConfig, trained_kind: str, trained_sizes: tuple[int, int],
+                 length: int, typed: set[str]) -> str:
     if trained_kind == "dca":
         chunk, local = trained_sizes
         why = "the sizes the model was trained with"
@@ -74,7 +99,8 @@ def adopt_dca_split(attention: DictConfig, trained_kind: str, trained_sizes: tup
 
 def register_resolvers() -> None:
     """The resolvers `conf/attention/*.yaml` use (idempotent)."""
-    for name, fn in (("chunk_default", chunk_default), ("local_default", local_default)):
+    for name, fn in (("chunk_default", chunk_default), ("local_default", local_default),
+                     ("floor_default", floor_default)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

@@ -41,6 +41,24 @@ def test_unset_sizes_are_filled(typed: dict, trained: tuple, expected: tuple) ->
     assert (attention.dca_chunk_size, attention.dca_local_size) == expected and note
 
 
+@pytest.mark.parametrize(("scaling", "typed", "trained", "floor"), [
+    ("log", {}, "standard", 1024),                        # from the model's length T on
+    ("log", {"dca_scaling_floor_scale": 300}, "standard", 300),
+    ("log", {}, "dca", 8192),                             # a DCA-trained model: as set
+    ("yarn", {}, "standard", 8192),                       # log's setting only
+])
+def test_the_log_scaling_starts_at_a_pretrained_models_length(scaling: str, typed: dict,
+                                                              trained: str, floor: int) -> None:
+    attention = OmegaConf.create({"kind": "dca", "dca_chunk_size": 100, "dca_local_size": 10,
+                                  "dca_scaling": scaling, "dca_scaling_floor_scale": 8192}
+                                 | typed)
+    typed = set(typed) | {"dca_chunk_size", "dca_local_size"}
+    note = adopt_dca_split(attention, trained, (100, 10), 1024, typed)
+    assert attention.dca_scaling_floor_scale == floor
+    assert (note is not None and "log scaling from the model's length 1024" in note) \
+        == (floor == 1024)
+
+
 def test_typed_sizes_and_other_kinds_are_left_alone() -> None:
     both = OmegaConf.create({"kind": "dca", "dca_chunk_size": 100, "dca_local_size": 10})
     assert adopt_dca_split(both, "standard", (0, 0), 1024, set_sizes(both)) is None
@@ -52,8 +70,9 @@ def test_typed_sizes_and_other_kinds_are_left_alone() -> None:
 def test_the_yaml_defaults_count_as_unset() -> None:
     cfg = compose_config(["+attention=dca"])
     assert set_sizes(cfg.attention) == set()
-    cfg = compose_config(["+attention=dca", "attention.dca_chunk_size=64"])
-    assert set_sizes(cfg.attention) == {"dca_chunk_size"}
+    cfg = compose_config(["+attention=dca", "attention.dca_chunk_size=64",
+                          "attention.dca_scaling_floor_scale=512"])
+    assert set_sizes(cfg.attention) == {"dca_chunk_size", "dca_scaling_floor_scale"}
 
 
 class _NoSweep:
@@ -79,6 +98,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("standard", [], ("standard", None, None)),
     ("standard", ["+attention=dca", "attention.dca_chunk_size=512",
                   "attention.dca_local_size=16"], ("dca", 512, 16)),
+    ("standard", ["+attention=dca", "attention.dca_scaling=log"], ("dca", 768, 64)),
 ])
 def test_eval_runs_the_attention_the_model_implies(checkpoints, tmp_path: Path, monkeypatch,
                                                    name: str, extra: list[str],
@@ -96,6 +116,8 @@ def test_eval_runs_the_attention_the_model_implies(checkpoints, tmp_path: Path, 
     assert attention["kind"] == kind
     if chunk is not None:
         assert (attention["dca_chunk_size"], attention["dca_local_size"]) == (chunk, local)
+    if attention.get("dca_scaling") == "log":  # from the model's length on
+        assert attention["dca_scaling_floor_scale"] == 1024
     assert "${" not in json.dumps(attention)  # resolved values, not interpolations
 
 
