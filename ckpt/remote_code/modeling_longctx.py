@@ -45,7 +45,7 @@ def dca_factors(settings: dict, pos: torch.Tensor) -> torch.Tensor | None:
     previous-chunk and older keys, or None without a scaling. `log`: Llama 4's temperature,
     1 + attn_scale * ln(floor((p + 1) / floor_scale) + 1); `yarn`: Qwen2.5-1M's, m^2 with
     m = max(1, attn_scale * ln(n / original_length) + 1) and n the sequence's length after this
-    forward (vLLM's rule; the trainer's engine decodes by it too)."""
+    forward, for every key (the trainer's engine decodes by the same rule)."""
     kind = settings.get("dca_scaling", "none")
     if kind == "none":
         return None

@@ -94,9 +94,9 @@ def decode_splitk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     q: [b, hq, d]; k_cache, v_cache: [b, hk, S_max, d] with unit last stride; lengths: [b] int
     on q's device; cos, sin: [chunk_size + 1, d] float32 and factors [b, 3] float32 or None
-    (DCA only). Returns [b, hq, d] in q's
-    dtype. The workspace ([b, hq, num_splits, d] and [b, hq, num_splits], float32) is allocated
-    here: under graph capture it comes from the graph's private pool.
+    (DCA only). Returns [b, hq, d] in q's dtype. The workspace ([b, hq, num_splits, d] and
+    [b, hq, num_splits], float32) is allocated here: under graph capture it comes from the
+    graph's private pool.
     """
     b, hq, d = q.shape
     hk, s_max = k_cache.shape[1], k_cache.shape[2]

@@ -104,7 +104,8 @@ def test_logits_of_the_engine_equal_the_full_forward(single_process) -> None:
         torch.testing.assert_close(logits[0], full[len(prompt) - 1 + j], rtol=1e-5, atol=1e-5)
 
 
-def test_a_length_scaling_decodes_as_vllm_does(single_process, monkeypatch) -> None:
+def test_a_length_scaling_decodes_by_the_length_when_each_token_is_computed(
+        single_process, monkeypatch) -> None:
     """DCA's `yarn` scaling follows the sequence's length: a cached prompt keeps the factors of
     its prefill (its own length) and a generated token takes those of its position + 1. The
     reference is a full forward whose factor table is exactly that (per prompt: ragged prompts

@@ -22,9 +22,10 @@ cache keys unrotated.
 DCA's logit scaling (`attention.dca_scaling`) multiplies each query's rotated copies by its
 factors (models/attention/dca/scaling.py): a prompt's tokens take the factors of their prefill
 (positions in a prompt of its length), a generated token those of its position at a length of
-position + 1, and the cache keeps what each token's layers computed, as vLLM decodes
-Qwen2.5-1M. A length-dependent scaling (`yarn`) therefore needs every prompt of a prefill to
-have the same length, which the engine arranges (`LayerCache.length_dependent`).
+position + 1, and the cache keeps what each token's layers computed (keys carry no factor;
+scaling.py says where vLLM's decoding differs). A length-dependent scaling (`yarn`) therefore
+needs every prompt of a prefill to have the same length, which the engine arranges
+(`LayerCache.length_dependent`).
 """
 
 from __future__ import annotations
@@ -196,25 +197,19 @@ class LayerCache:
                 handle.remove()
 
     @contextlib.contextmanager
-    def extend(self, slots: slice, start: int, total: int) -> Iterator[None]:
-        """A forward of the tokens at positions [start, start + p) of the batch `slots`, the
-        earlier ones already cached, of prompts `total` tokens long (DCA's scaling)."""
+    def extend(self, slots: slice, start: int, end: int, total: int) -> Iterator[None]:
+        """A forward of the tokens at positions [start, end) of the batch `slots`, the earlier
+        ones already cached, of prompts `total` tokens long (DCA's length scaling)."""
         original = self.rotary.forward
-        factors = None
+        positions = torch.arange(start, end, device=self.device)
+        factors = self._factors(positions, torch.full_like(positions, total))  # [p, 3]
+        factors = None if factors is None else factors.T.contiguous()
 
         def rotary(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
-            nonlocal factors  # once per forward, before any layer: the pieces' DCA factors
-            positions = torch.arange(start, start + max_seq_len, device=self.device)
-            made = self._factors(positions, torch.full_like(positions, total))
-            factors = None if made is None else made.T.contiguous()  # [3, p]
             return original(start + max_seq_len, *args, **kwargs)[start:]
 
-        def forward(i: int):
-            def run(*args, **kwargs) -> torch.Tensor:
-                return self._extend_forward(i, slots, start, factors)(*args, **kwargs)
-            return run
-
-        with self._substituted(rotary, [forward(i) for i in range(len(self.cores))]):
+        with self._substituted(rotary, [self._extend_forward(i, slots, start, factors)
+                                        for i in range(len(self.cores))]):
             yield
 
     @contextlib.contextmanager

@@ -218,7 +218,7 @@ class DecodeEngine:
             first = piece
         for begin in range(first, width, piece):
             end = min(width, begin + piece)
-            with self.cache.extend(slots, begin, width), \
+            with self.cache.extend(slots, begin, end, width), \
                     self._logits_at((last - begin).clamp(0, end - begin - 1)):
                 logits = self._logits(tokens[:, begin:end])
         return logits

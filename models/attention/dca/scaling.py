@@ -14,9 +14,11 @@ so the kernels and the exact-gradient recipe are unchanged (dq picks up the same
         (vLLM scales the keys by m and the softmax scale by m; YaRN's paper: sqrt(1/t) = 0.1 ln s
         + 1). attn_scale = 0.1 (YaRN); original_length defaults to the chunk size, as in
         Qwen2.5-1M's config (original_max_position_embeddings == chunk_size == 262144). n is
-        the whole document's length in a forward; in cached decoding each token keeps the
-        factor of the length when it was computed (the prompt's length for the prompt, its own
-        position + 1 for a generated token), as vLLM's decoding does.
+        the whole document's length in a forward; in cached decoding a query takes the factor
+        of the length when it is computed (the prompt's length for the prompt, its own position
+        + 1 for a generated token; trainer/engine/cache.py). vLLM differs there: it stores each
+        key times the m of its own length, so a decoding query at length L meets a prompt key
+        with m(L) m(n) where ours has m(L)^2, a relative difference of about 0.1 ln(L / n).
 
 parts: "all" (both sources scale every logit of the query), "succ_inter" (successive and inter)
 or "inter" (only keys two or more chunks back).
@@ -75,24 +77,20 @@ class DCAScaling:
 
 
 def token_factors(scaling: DCAScaling, chunk_size: int, positions: torch.Tensor,
-                  lengths: torch.Tensor) -> torch.Tensor:
-    """[..., 3] float32 logit factor per DCA part of the queries at `positions` in documents of
-    `lengths` tokens (both [...], on one device). Torch ops on that device only: a captured
-    decode step computes them from its position tensor."""
-    f = _factor(scaling, chunk_size, positions.to(torch.float64), lengths.to(torch.float64))
+                  lengths: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., 3] logit factor per DCA part of the queries at `positions` in documents of
+    `lengths` tokens (both [...], on one device), computed in float64. Torch ops on that
+    device only: a captured decode step computes them from its position tensor."""
+    pos, length = positions.to(torch.float64), lengths.to(torch.float64)
+    if scaling.kind == "log":
+        f = 1 + scaling.attn_scale * torch.log1p(torch.floor((pos + 1) / scaling.floor_scale))
+    else:
+        original = scaling.original_length or chunk_size
+        m = (scaling.attn_scale * torch.log(length / original) + 1).clamp(min=1)
+        f = m * m
     # the scaled parts are a suffix of (0, 1, 2): a mask from arange, no host-to-device copy
     scaled = torch.arange(3, device=f.device) >= SCALED_PARTS[scaling.parts][0]
-    return torch.where(scaled, f[..., None], 1.0).to(torch.float32)
-
-
-def _factor(scaling: DCAScaling, chunk_size: int, pos: torch.Tensor,
-            length: torch.Tensor) -> torch.Tensor:
-    """f of queries at positions `pos` in documents of `length` tokens (float64, same shape)."""
-    if scaling.kind == "log":
-        return 1 + scaling.attn_scale * torch.log1p(torch.floor((pos + 1) / scaling.floor_scale))
-    original = scaling.original_length or chunk_size
-    m = (scaling.attn_scale * torch.log(length / original) + 1).clamp(min=1)
-    return m * m
+    return torch.where(scaled, f[..., None], 1.0).to(dtype)
 
 
 def query_factors(scaling: DCAScaling, chunk_size: int, seq: int,
@@ -126,11 +124,10 @@ def _factors(scaling: DCAScaling, chunk_size: int, seq: int, bounds: tuple[int, 
         sizes = edges.diff()
         pos = (torch.arange(seq) - edges[:-1].repeat_interleave(sizes)).to(torch.float64)
         length = sizes.repeat_interleave(sizes)
-    f = _factor(scaling, chunk_size, pos, length.to(torch.float64))
-    if bool((f == 1).all()):
+    table = token_factors(scaling, chunk_size, pos, length, torch.float64).T  # [3, seq]
+    if bool((table == 1).all()):
         return None  # nothing to scale (e.g. every document within its trained length)
-    ones = torch.ones_like(f)
-    return torch.stack([f if part in SCALED_PARTS[scaling.parts] else ones for part in range(3)])
+    return table.contiguous()
 
 
 def describe(scaling: DCAScaling, chunk_size: int) -> str:
