@@ -37,6 +37,12 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     # a method measured one length at a time is one line: standard again, at 8T only
     quality.main(["training-free"] + common + ["--plan", "standard", "--multiples", "8"])
     rows = json.loads((out / "quality.json").read_text())["rows"]
+    # Qwen2.5-1M's split and scaling, at T only (its own results file)
+    quality.main(["training-free"] + common[:2] + ["--out", str(tmp_path / "out_1m")]
+                 + common[4:] + ["--plan", "dca_yarn_1m", "--multiples", "1"])
+    (row_1m,) = json.loads((tmp_path / "out_1m" / "quality.json").read_text())["rows"]
+    assert (row_1m["attention"]["dca_chunk_size"], row_1m["attention"]["dca_local_size"],
+            row_1m["attention"]["dca_scaling"]) == (T, T // 32, "yarn")
     assert [r["method"] for r in rows] == ["dca", "standard", "yarn", "dca_c=T",
                                            "dca_finetuned_2T", "standard"]
     assert rows[5]["lengths"] == [8 * T]
