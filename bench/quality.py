@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -178,9 +179,9 @@ def _plot(rows: list[dict], png: Path) -> None:
         name = r["method"].split("@")[0]
         by_method.setdefault(name, {}).update(
             {int(k): v for k, v in r["ruler"]["averages"].items()})
-    for name, avg in by_method.items():
-        ns = sorted(avg)
-        ax.plot(ns, [avg[n] for n in ns], marker="o", label=name)
+    lengths = sorted({n for avg in by_method.values() for n in avg})
+    for name, avg in by_method.items():  # a length not measured breaks the line (NaN)
+        ax.plot(lengths, [avg.get(n, math.nan) for n in lengths], marker="o", label=name)
     ax.set(xscale="log", xlabel="context length (tokens)", ylabel="RULER average over tasks",
            ylim=(-2, 102), title="RULER-style suite by method")
     ax.legend(fontsize=8)
