@@ -10,8 +10,8 @@ T is the model's own length (its max_position_embeddings). Methods: standard RoP
 and YaRN (factor 4 at T..4T; YaRN also factor 8 at 8T), DCA with the default split (ChunkLlama's
 3T/4 chunk, T/16 local window; also at 8T), DCA with chunk T, local T/4, and DCA with a logit
 scaling (`dca_yarn`: Qwen2.5-1M's YaRN temperature; `dca_log`: Llama 4's with floor_scale T,
-so 1 within T), and both scalings with Qwen2.5-1M's own split (chunk T, local T/32:
-`dca_yarn_1m`, `dca_log_1m`). Each method's
+so 1 within T), and Qwen2.5-1M's own split (chunk T, local T/32: `dca_1m`, with either
+scaling `dca_yarn_1m`, `dca_log_1m`). Each method's
 result is appended to OUT/quality.json as soon as it is measured (a run cut short by a time
 limit keeps what it measured); OUT/quality.png plots every method's average by length and
 OUT/quality.md holds the table. `--samples`, `--tasks`, `--plan` and `--multiples` choose how
@@ -45,6 +45,8 @@ METHODS = {
     "dca_log": (["+attention=dca", "attention.dca_scaling=log",
                  "attention.dca_scaling_floor_scale={T}"], (1, 2, 4)),
     # Qwen2.5-1M's own split (dual_chunk_attention_config: chunk = original length, local T/32)
+    "dca_1m": (["+attention=dca", "attention.dca_chunk_size={T}",
+                "attention.dca_local_size={T32}"], (1, 2, 4)),
     "dca_yarn_1m": (["+attention=dca", "attention.dca_chunk_size={T}",
                      "attention.dca_local_size={T32}", "attention.dca_scaling=yarn"], (1, 2, 4)),
     "dca_log_1m": (["+attention=dca", "attention.dca_chunk_size={T}",
