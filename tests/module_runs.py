@@ -23,14 +23,19 @@ from tests.conftest import forked_workers, free_port, start_forkserver
 
 def _module_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
                   threads: int | None, new_session: bool, file_size_limit: int | None,
-                  fork_ckpt_workers: bool = False) -> None:
+                  fork_ckpt_workers: bool = False, ctrl_c: bool = False) -> None:
     """In a forkserver child: what `python -m args[0] args[1:]` does (the module as `__main__`,
     argv, working directory, environment, exit status, atexit handlers), stdout to `out` and
     stderr to `err`; `threads`: torch's threads, as torchrun's OMP_NUM_THREADS=1 sets them;
     `new_session`: as `subprocess.Popen(start_new_session=True)`; `file_size_limit`: bytes, as
     `ulimit -f` (a write past it fails with EFBIG: Python ignores SIGXFSZ);
     `fork_ckpt_workers`: the checkpoint tool's worker ranks forked from this child (fresh from
-    the server: no process groups to inherit) instead of spawned as new interpreters."""
+    the server: no process groups to inherit) instead of spawned as new interpreters;
+    `ctrl_c`: SIGINT taken as an interpreter in a terminal's foreground takes it (Python's
+    KeyboardInterrupt handler), also where the tests themselves run as a background job, whose
+    processes inherit SIGINT ignored (which the trainer keeps ignored, as it should)."""
+    if ctrl_c:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if fork_ckpt_workers:
         import functools
 
@@ -88,14 +93,15 @@ class ModuleRun:
 
     def __init__(self, module: str, args: list[str], cwd: Path, env: dict[str, str],
                  logs: Path, threads: int | None = None, new_session: bool = False,
-                 file_size_limit: int | None = None, fork_ckpt_workers: bool = False) -> None:
+                 file_size_limit: int | None = None, fork_ckpt_workers: bool = False,
+                 ctrl_c: bool = False) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = logs / "stdout", logs / "stderr"
         start_forkserver()
         self.process = mp.get_context("forkserver").Process(
             target=_module_child, args=([module, *args], str(cwd), env, str(self.out),
                                         str(self.err), threads, new_session,
-                                        file_size_limit, fork_ckpt_workers))
+                                        file_size_limit, fork_ckpt_workers, ctrl_c))
         self.process.start()
         self.pid = self.process.pid
 
@@ -139,7 +145,7 @@ def start_module(module: str, args: list[str], cwd: Path,
                  env: dict[str, str | None] | None = None, logs: Path | None = None,
                  threads: int | None = None, new_session: bool = False,
                  file_size_limit: int | None = None,
-                 fork_ckpt_workers: bool = False) -> ModuleRun:
+                 fork_ckpt_workers: bool = False, ctrl_c: bool = False) -> ModuleRun:
     """Start `python -m module args` in `cwd` as a child of the forkserver that imported torch,
     megatron, the trainer and the checkpoint tool once (a new interpreter spends ~7 s on them):
     the entry point's own code from its first line, in a process of its own (its locks, signals
@@ -149,7 +155,7 @@ def start_module(module: str, args: list[str], cwd: Path,
     not test: tests/trainer/test_entry_errors.py and test_quiet_run.py run new interpreters."""
     logs = logs or cwd.parent / f".{cwd.name}.run{os.getpid()}-{next(_runs)}"
     return ModuleRun(module, args, cwd, _module_env(env), logs, threads, new_session,
-                     file_size_limit, fork_ckpt_workers)
+                     file_size_limit, fork_ckpt_workers, ctrl_c)
 
 
 def start_script(script: Path, args: list[str], cwd: Path, logs: Path | None = None,

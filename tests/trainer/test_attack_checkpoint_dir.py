@@ -23,9 +23,10 @@ from trainer.errors import UserError
 from trainer.train import train
 
 
-def _start(args: list[str], cwd: Path) -> ModuleRun:
-    """`python -m trainer args` in `cwd`, forked from the preloaded server (tests/conftest.py)."""
-    return start_module("trainer", args, cwd)
+def _start(args: list[str], cwd: Path, ctrl_c: bool = False) -> ModuleRun:
+    """`python -m trainer args` in `cwd`, forked from the preloaded server (tests/conftest.py);
+    `ctrl_c`: taking SIGINT as in a terminal (tests/module_runs.py)."""
+    return start_module("trainer", args, cwd, ctrl_c=ctrl_c)
 
 
 @pytest.mark.slow
@@ -188,7 +189,7 @@ def test_ctrl_c_saves_the_step_and_stops_in_one_line(tmp_path: Path) -> None:
     """Before: an 80-line KeyboardInterrupt traceback and an `iter_N.tmp` left. SIGINT is now
     what SIGTERM is: the step is saved and the run stops, exit 130."""
     proc = _start(FAST + ["trainer.max_steps=100000", "trainer.save_interval=0",
-                          "hydra.run.dir=run"], tmp_path)
+                          "hydra.run.dir=run"], tmp_path, ctrl_c=True)
     try:
         deadline = time.monotonic() + 180
         metrics = tmp_path / "run" / "metrics.jsonl"
