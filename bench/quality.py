@@ -2,6 +2,7 @@
 eval.suite=ruler) with every training-free method, then after a short DCA fine-tune.
 
     python bench/quality.py prepare --gguf MODEL.gguf --work W          # gguf-to-hf, import-hf
+    python bench/quality.py prepare --hf MODEL_DIR --work W             # a transformers model
     python bench/quality.py training-free --work W --out OUT            # the methods at T..4T
     python bench/quality.py finetune --work W --out OUT                 # DCA fine-tune, suite
     python bench/quality.py report OUT/quality.json [MORE.json ...] --out DIR  # one table, plot
@@ -197,6 +198,9 @@ def prepare(args: argparse.Namespace) -> None:
     from ckpt.hf_import import import_hf
 
     work = Path(args.work)
+    if args.hf and not (work / "hf").exists():  # the tokenizer is read from W/hf later on
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "hf").symlink_to(Path(args.hf).resolve(), target_is_directory=True)
     if not (work / "hf" / "config.json").exists():
         gguf_to_hf(args.gguf, work / "hf", dtype="fp32")
     if not (work / "ckpt").exists():
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("paths", nargs="*", type=Path,
                    help="report: quality.json files, their rows in one table and plot in --out")
     p.add_argument("--gguf", help="prepare: the model's GGUF file")
+    p.add_argument("--hf", help="prepare: or the model's transformers directory")
     p.add_argument("--work", default="outputs/quality/work",
                    help="models, checkpoints, eval runs")
     p.add_argument("--out", default="outputs/quality", help="quality.json, .md, .png")
@@ -270,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ft-lr", type=float, default=2e-5)
     p.add_argument("--cpu", action="store_true", help="run on the CPU (tests)")
     args = p.parse_args(argv)
+    if args.phase == "prepare" and bool(args.gguf) == bool(args.hf) \
+            and not (Path(args.work) / "hf" / "config.json").exists():
+        p.error("prepare needs the model: --gguf FILE or --hf DIR (one of them)")
     if args.phase == "report":
         if not args.paths:
             p.error("report needs at least one quality.json")

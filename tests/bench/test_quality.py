@@ -19,19 +19,22 @@ T = 512
 
 @pytest.mark.slow  # ~1 minute: CI runs it, the quick lane leaves it
 def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
-    work, out = tmp_path / "work", tmp_path / "out"
+    work, out, source = tmp_path / "work", tmp_path / "out", tmp_path / "model"
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
-        tie_word_embeddings=True)).save_pretrained(work / "hf")
-    save_tokenizer(work / "hf")
+        tie_word_embeddings=True)).save_pretrained(source)
+    save_tokenizer(source)
     # fwe: a task whose prompts fit at T, with 50 tokens to generate (niah's 128 made the
     # untrained model's greedy decoding most of this test's time, ~27 s -> ~20 s on 2 cores)
     common = ["--work", str(work), "--out", str(out), "--cpu", "--tasks", "fwe",
               "--samples", "1", "--samples-main", "2", "--batch-size", "2"]
-    quality.main(["prepare"] + common)
-    assert (work / "ckpt").is_dir()
+    with pytest.raises(SystemExit) as refused:  # no model named
+        quality.main(["prepare"] + common)
+    assert refused.value.code == 2 and not work.exists()
+    quality.main(["prepare", "--hf", str(source)] + common)
+    assert (work / "ckpt").is_dir() and (work / "hf" / "tokenizer.json").exists()
     quality.main(["training-free"] + common + ["--plan", "dca,standard,yarn,dca_c=T"])
     quality.main(["finetune"] + common + ["--ft-steps", "2", "--ft-batch", "1"])
     # a method measured one length at a time is one line: standard again, at 8T only
