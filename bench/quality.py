@@ -33,6 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# Qwen2.5-1M's own split (its dual_chunk_attention_config: chunk = the original length, local
+# window T/32)
+SPLIT_1M = ["+attention=dca", "attention.dca_chunk_size={T}", "attention.dca_local_size={T32}"]
 # name -> (overrides, length multiples of T); {T}: the model's length
 METHODS = {
     "standard": ([], (1, 2, 4)),
@@ -43,16 +46,12 @@ METHODS = {
     "dca_c=T": (["+attention=dca", "attention.dca_chunk_size={T}",
                  "attention.dca_local_size={T4}"], (1, 2, 4)),
     "dca_yarn": (["+attention=dca", "attention.dca_scaling=yarn"], (1, 2, 4)),
-    "dca_log": (["+attention=dca", "attention.dca_scaling=log",
-                 "attention.dca_scaling_floor_scale={T}"], (1, 2, 4)),
-    # Qwen2.5-1M's own split (dual_chunk_attention_config: chunk = original length, local T/32)
-    "dca_1m": (["+attention=dca", "attention.dca_chunk_size={T}",
-                "attention.dca_local_size={T32}"], (1, 2, 4)),
-    "dca_yarn_1m": (["+attention=dca", "attention.dca_chunk_size={T}",
-                     "attention.dca_local_size={T32}", "attention.dca_scaling=yarn"], (1, 2, 4)),
-    "dca_log_1m": (["+attention=dca", "attention.dca_chunk_size={T}",
-                    "attention.dca_local_size={T32}", "attention.dca_scaling=log",
-                    "attention.dca_scaling_floor_scale={T}"], (1, 2, 4)),
+    # log: the temperature starts at T (trainer.defaults.adopt_dca_split on a model trained
+    # without DCA)
+    "dca_log": (["+attention=dca", "attention.dca_scaling=log"], (1, 2, 4)),
+    "dca_1m": (SPLIT_1M, (1, 2, 4)),
+    "dca_yarn_1m": (SPLIT_1M + ["attention.dca_scaling=yarn"], (1, 2, 4)),
+    "dca_log_1m": (SPLIT_1M + ["attention.dca_scaling=log"], (1, 2, 4)),
     "dca@8T": (["+attention=dca"], (8,)),
     "yarn@8T": (["+extrapolation=yarn", "model.rope_scaling_factor=8"], (8,)),
 }
@@ -275,8 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ft-lr", type=float, default=2e-5)
     p.add_argument("--cpu", action="store_true", help="run on the CPU (tests)")
     args = p.parse_args(argv)
-    if args.phase == "prepare" and bool(args.gguf) == bool(args.hf) \
-            and not (Path(args.work) / "hf" / "config.json").exists():
+    if args.phase == "prepare" and (args.gguf and args.hf or not (
+            args.gguf or args.hf or (Path(args.work) / "hf" / "config.json").exists())):
         p.error("prepare needs the model: --gguf FILE or --hf DIR (one of them)")
     if args.phase == "report":
         if not args.paths:

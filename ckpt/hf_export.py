@@ -47,7 +47,7 @@ from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 from models.gpt import ffn_hidden_size
-from models.schema import ModelConfig, dca_pretrained_split
+from models.schema import AttentionConfig, ModelConfig, dca_pretrained_split
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -122,7 +122,8 @@ def _remote_code(cfg: dict[str, Any], family: str, m: ModelConfig) -> dict[str, 
     settings = cfg["longctx"]
     scaling = settings.get("dca_scaling", "none")
     served = scaling == "none" or (scaling == "yarn" and settings["dca_scaling_parts"] == "all"
-                                   and settings["dca_scaling_attn_scale"] == 0.1)
+                                   and settings["dca_scaling_attn_scale"]
+                                   == AttentionConfig.dca_scaling_attn_scale)
     sglang = (family == "qwen2" and settings["attention"] == "dca" and served
               and not settings["head_wise_attn_gate"] and m.rope_scaling_type == "none")
     kind = "LongCtxQwen2" if sglang else "LongCtx"

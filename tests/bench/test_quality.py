@@ -30,9 +30,10 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     # untrained model's greedy decoding most of this test's time, ~27 s -> ~20 s on 2 cores)
     common = ["--work", str(work), "--out", str(out), "--cpu", "--tasks", "fwe",
               "--samples", "1", "--samples-main", "2", "--batch-size", "2"]
-    with pytest.raises(SystemExit) as refused:  # no model named
-        quality.main(["prepare"] + common)
-    assert refused.value.code == 2 and not work.exists()
+    for named in ([], ["--hf", str(source), "--gguf", str(source)]):  # none, or both
+        with pytest.raises(SystemExit) as refused:
+            quality.main(["prepare"] + named + common)
+        assert refused.value.code == 2 and not work.exists()
     quality.main(["prepare", "--hf", str(source)] + common)
     assert (work / "ckpt").is_dir() and (work / "hf" / "tokenizer.json").exists()
     quality.main(["training-free"] + common + ["--plan", "dca,standard,yarn,dca_c=T"])
@@ -40,12 +41,14 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     # a method measured one length at a time is one line: standard again, at 8T only
     quality.main(["training-free"] + common + ["--plan", "standard", "--multiples", "8"])
     rows = json.loads((out / "quality.json").read_text())["rows"]
-    # Qwen2.5-1M's split and scaling, at T only (its own results file)
+    # Qwen2.5-1M's split with the log scaling, at T only (its own results file): the split as
+    # the plan sets it, the temperature from T on as the trainer adopts it
     quality.main(["training-free"] + common[:2] + ["--out", str(tmp_path / "out_1m")]
-                 + common[4:] + ["--plan", "dca_yarn_1m", "--multiples", "1"])
+                 + common[4:] + ["--plan", "dca_log_1m", "--multiples", "1"])
     (row_1m,) = json.loads((tmp_path / "out_1m" / "quality.json").read_text())["rows"]
     assert (row_1m["attention"]["dca_chunk_size"], row_1m["attention"]["dca_local_size"],
-            row_1m["attention"]["dca_scaling"]) == (T, T // 32, "yarn")
+            row_1m["attention"]["dca_scaling"], row_1m["attention"]["dca_scaling_floor_scale"]
+            ) == (T, T // 32, "log", T)
     assert [r["method"] for r in rows] == ["dca", "standard", "yarn", "dca_c=T",
                                            "dca_finetuned_2T", "standard"]
     assert rows[5]["lengths"] == [8 * T]
