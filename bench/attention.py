@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -395,7 +396,9 @@ def main() -> None:
                                             args.profile_kv_heads, args.head_dim, args.trace))
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "cudnn": torch.backends.cudnn.version(), "argv": sys.argv}
+                "cudnn": torch.backends.cudnn.version(),
+                # the script as run from the checkout (no machine's absolute path)
+                "argv": [os.path.relpath(sys.argv[0]), *sys.argv[1:]]}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "paired": paired},
                                              indent=1))
 
