@@ -27,7 +27,7 @@ def _freqs(seq: int, dim: int, theta: float = 500000.0) -> torch.Tensor:
 
 
 def _error(x: torch.Tensor, truth: torch.Tensor) -> float:
-    return float((x.double() - truth).abs().max())
+    return float((x.detach().double() - truth).abs().max())
 
 
 @pytest.mark.parametrize("seq", [4096, 32768])
