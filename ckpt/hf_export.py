@@ -47,7 +47,13 @@ from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
 from models.gpt import ffn_hidden_size
-from models.schema import AttentionConfig, ModelConfig, dca_pretrained_split
+from models.schema import (
+    AttentionConfig,
+    ModelConfig,
+    dca_local_within,
+    dca_pretrained_log_floor,
+    dca_pretrained_split,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -176,7 +182,7 @@ class Extension:
                               f"standard attention (this one has {meta.attention.kind})")
             chunk, local = dca_pretrained_split(own)
             chunk = self.dca_chunk_size or chunk
-            local = self.dca_local_size or (local if local < chunk else max(1, chunk // 12))
+            local = self.dca_local_size or dca_local_within(local, chunk)
             if not 0 < local < chunk:
                 raise HFError(f"--dca-local-size {local} must be positive and below "
                               f"--dca-chunk-size {chunk}")
@@ -188,7 +194,8 @@ class Extension:
                 # log from the model's own length on (1 within it); yarn as its source
                 attention = dataclasses.replace(attention, dca_scaling=self.dca_scaling)
                 if self.dca_scaling == "log":
-                    attention = dataclasses.replace(attention, dca_scaling_floor_scale=own)
+                    attention = dataclasses.replace(
+                        attention, dca_scaling_floor_scale=dca_pretrained_log_floor(own))
             print(f"adding DCA: chunk {chunk}, local window {local}"
                   f"{f', {self.dca_scaling} scaling' if self.dca_scaling else ''} (the model's "
                   f"length {own})")

@@ -113,6 +113,18 @@ def dca_pretrained_split(length: int) -> tuple[int, int]:
     return max(2, 3 * int(length) // 4), max(1, int(length) // 16)
 
 
+def dca_local_within(local: int, chunk: int) -> int:
+    """A DCA local window where a chunk size was chosen apart from it: kept while below the
+    chunk, else a twelfth of the chunk (ChunkLlama's ratio, T/16 of a 3T/4 chunk)."""
+    return int(local) if local < chunk else max(1, int(chunk) // 12)
+
+
+def dca_pretrained_log_floor(length: int) -> int:
+    """The `log` scaling's floor_scale for DCA applied to a model pretrained at `length` tokens
+    without DCA: that length, so the temperature is 1 within the length the model knows."""
+    return int(length)
+
+
 @dataclass
 class ParallelConfig:
     """Model parallelism; data parallelism takes the remaining ranks (world / (tp x cp x pp))."""

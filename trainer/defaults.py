@@ -13,8 +13,10 @@ value: the lr floor and warm-up of a run, and the DCA and chunked attention size
   export) with its sizes unset: the sizes it was trained with when it was trained with DCA, else
   ChunkLlama's split of its own length T (`models.schema.dca_pretrained_split`: 3T/4, T/16;
   measured on a real pretrained model in docs/experiments.md). With the `log` logit scaling on
-  such a model and `dca_scaling_floor_scale` unset, the temperature starts at T (floor_scale T:
-  1 within the length the model was trained to); otherwise floor_scale is Llama 4's 8192.
+  such a model and `dca_scaling_floor_scale` unset, the temperature starts at T
+  (`models.schema.dca_pretrained_log_floor`: 1 within the length the model was trained to);
+  otherwise floor_scale is Llama 4's 8192. A chunk chosen without a local window keeps the
+  default window while it is below the chunk (`models.schema.dca_local_within`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from models.schema import AttentionConfig, DCAScalingKind, dca_pretrained_split
+from models.schema import (
+    AttentionConfig,
+    DCAScalingKind,
+    dca_local_within,
+    dca_pretrained_log_floor,
+    dca_pretrained_split,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +80,7 @@ def adopt_dca_split(attention: DictConfig, trained_kind: str, trained_sizes: tup
     if trained_kind != "dca" and attention.get("dca_scaling") == DCAScalingKind.log \
             and FLOOR not in typed:
         with open_dict(attention):
-            attention[FLOOR] = int(length)
+            attention[FLOOR] = dca_pretrained_log_floor(length)
         notes.append(f"log scaling from the model's length {length} on (set "
                      f"attention.{FLOOR} to choose)")
     return "; ".join(notes) or None
@@ -88,7 +96,7 @@ def _adopt_sizes(attention: DictConfig, trained_kind: str, trained_sizes: tuple[
         why = f"ChunkLlama's split of the model's length {length}: 3T/4 and T/16"
     if "dca_chunk_size" in typed:
         chunk = attention.dca_chunk_size
-        local = local if local < chunk else max(1, chunk // 12)
+        local = dca_local_within(local, chunk)
     if "dca_local_size" in typed:
         local = attention.dca_local_size
     with open_dict(attention):

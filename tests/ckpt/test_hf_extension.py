@@ -96,6 +96,25 @@ def test_rope_scaling_added_at_export_runs_in_plain_transformers(hf_imported, tm
     assert (plain - theirs).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize(("chunk", "local"), [(32, 4), (4, 1)])
+def test_a_chosen_chunk_gets_the_local_window_the_trainer_gives(hf_imported, tmp_path: Path,
+                                                                chunk: int, local: int) -> None:
+    """`--dca-chunk-size` alone: the split's window T/16 while it is below the chunk, else a
+    twelfth of the chunk, as `python -m trainer.eval +attention=dca attention.dca_chunk_size=C`
+    adopts it on the same model."""
+    from omegaconf import OmegaConf
+
+    from trainer.defaults import adopt_dca_split
+
+    _, root = hf_imported("qwen2", False)
+    export_hf(root, tmp_path / "hf", extension=Extension(attention="dca", dca_chunk_size=chunk))
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())["longctx"]
+    adopted = OmegaConf.create({"kind": "dca", "dca_chunk_size": chunk, "dca_local_size": 0})
+    adopt_dca_split(adopted, "standard", (0, 0), OWN, {"dca_chunk_size"})
+    assert (settings["dca_chunk_size"], settings["dca_local_size"]) == (chunk, local)
+    assert (adopted.dca_chunk_size, adopted.dca_local_size) == (chunk, local)
+
+
 @pytest.mark.parametrize(("extension", "message"), [
     (Extension(attention="dca", rope_scaling="yarn"), "choose one extension"),
     (Extension(dca_chunk_size=32), "need --attention dca"),
