@@ -95,8 +95,9 @@ def evaluate(name: str, ckpt: Path, overrides: list[str], lengths: list[int], sa
                                                      for s in results["ruler"]["scores"])
     row = {"method": name, "checkpoint": str(ckpt), "label": results["label"],
            "attention": results["attention"], "rope": results["rope"], "lengths": lengths,
-           "samples": samples, "seconds": seconds, "prompts_per_s": prompts / seconds,
-           "phases": results.get("seconds", {}), "ruler": results["ruler"]}
+           "samples": samples, "seed": args.seed, "seconds": seconds,
+           "prompts_per_s": prompts / seconds, "phases": results.get("seconds", {}),
+           "ruler": results["ruler"]}
     _append(out, row)
     print(f"{name}: {seconds:.0f} s, {prompts / seconds:.2f} prompts/s, averages "
           f"{results['ruler']['averages']}", flush=True)
@@ -127,8 +128,8 @@ def _environment() -> dict:
 
 def report(paths: list[Path], out: Path) -> str:
     """quality.md (a method x length table of averages) and quality.png in `out`, from the rows
-    of one or more quality.json files (in order)."""
-    rows = [r for path in paths for r in _merged(json.loads(path.read_text())["rows"])]
+    of one or more quality.json files (in order; `_merged`)."""
+    rows = _merged([r for path in paths for r in json.loads(path.read_text())["rows"]])
     lengths = sorted({int(n) for r in rows for n in r["ruler"]["averages"]})
     lines = ["| method | " + " | ".join(f"{n:,}" for n in lengths) + " | effective | s |",
              "| --- |" + " --- |" * (len(lengths) + 2)]
@@ -145,27 +146,46 @@ def report(paths: list[Path], out: Path) -> str:
 
 
 def _merged(rows: list[dict]) -> list[dict]:
-    """One file's rows with a method measured at other lengths in later rows (same method,
-    same checkpoint, none of its lengths) folded into its first row: averages and seconds
-    joined, the effective length recomputed over all of them."""
+    """The rows of one method (same name, checkpoint and settings) as one row: lengths measured
+    in separate rows are joined, and a length measured again with another seed (other prompts)
+    is pooled, each task's score weighted by its samples; the averages and the effective
+    length are recomputed. A length measured again with the same seed stays a row of its own.
+    Each merged row's `seeds` says which seeds each length pools."""
     from trainer.evals.ruler.scoring import effective_length
 
     merged: list[dict] = []
     for row in rows:
-        first = next((m for m in merged if m["method"] == row["method"]
-                      and m["checkpoint"] == row["checkpoint"]
-                      and not set(m["ruler"]["averages"]) & set(row["ruler"]["averages"])),
+        seed = row.get("seed", 0)
+        first = next((m for m in merged if (m["method"], m["checkpoint"], m.get("label"))
+                      == (row["method"], row["checkpoint"], row.get("label"))
+                      and not any(seed in m["seeds"].get(str(n), ()) for n in row["lengths"])),
                      None)
         if first is None:
-            merged.append(row)
+            merged.append(dict(row, ruler=dict(row["ruler"], scores=[
+                dict(s) for s in row["ruler"]["scores"]]),
+                seeds={str(n): [seed] for n in row["lengths"]}))
             continue
-        averages = {**first["ruler"]["averages"], **row["ruler"]["averages"]}
-        averages = dict(sorted(averages.items(), key=lambda kv: int(kv[0])))
-        first.update(lengths=sorted(first["lengths"] + row["lengths"]),
+        cells = {(s["task"], s["length"]): s for s in first["ruler"]["scores"]}
+        for score in row["ruler"]["scores"]:
+            cell = cells.get((score["task"], score["length"]))
+            if cell is None:
+                first["ruler"]["scores"].append(dict(score))
+                continue
+            samples = cell["samples"] + score["samples"]
+            cell["score"] = (cell["score"] * cell["samples"]
+                             + score["score"] * score["samples"]) / samples
+            cell["samples"] = samples
+        for n in row["lengths"]:
+            first["seeds"].setdefault(str(n), []).append(seed)
+        by_length: dict[int, list[float]] = {}
+        for cell in first["ruler"]["scores"]:
+            by_length.setdefault(int(cell["length"]), []).append(cell["score"])
+        averages = {n: sum(v) / len(v) for n, v in sorted(by_length.items())}
+        first.update(lengths=sorted(set(first["lengths"]) | set(row["lengths"])),
                      seconds=first["seconds"] + row["seconds"],
-                     ruler={**first["ruler"], "averages": averages, "effective_length":
-                            effective_length({int(k): v for k, v in averages.items()},
-                                             first["ruler"]["threshold"])})
+                     ruler={**first["ruler"], "averages": {str(n): v for n, v in averages.items()},
+                            "effective_length": effective_length(averages,
+                                                                 first["ruler"]["threshold"])})
     return merged
 
 

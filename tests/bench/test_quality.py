@@ -78,3 +78,34 @@ def test_the_quality_driver_runs_every_phase(tmp_path: Path) -> None:
     assert merged.splitlines() == table.splitlines() + [table.splitlines()[2].replace(
         "| dca |", "| dca_again |")]
     assert (both / "quality.png").stat().st_size > 0
+
+
+def _row(seed: int, length: int, scores: dict[str, tuple[float, int]], method: str = "yarn"):
+    """A quality.json row of the RULER suite at one length: task -> (score, samples)."""
+    cells = [{"task": t, "length": length, "score": s, "samples": n}
+             for t, (s, n) in scores.items()]
+    return {"method": method, "checkpoint": "W/ckpt", "label": "standard+yarn", "seed": seed,
+            "lengths": [length], "samples": 6, "seconds": 10.0,
+            "ruler": {"scores": cells, "threshold": 40.0, "effective_length": None,
+                      "averages": {str(length): sum(s for s, _ in scores.values())
+                                   / len(scores)}}}
+
+
+def test_report_pools_seeds_and_joins_lengths(tmp_path: Path) -> None:
+    """A length measured again with another seed pools each task's samples (weighted); another
+    length joins the line; the same seed again is a line of its own."""
+    rows = [_row(0, 8, {"a": (100.0, 6), "b": (0.0, 6)}),
+            _row(1, 8, {"a": (50.0, 6), "b": (20.0, 4)}),
+            _row(0, 16, {"a": (40.0, 6), "b": (40.0, 6)}),
+            _row(0, 8, {"a": (0.0, 6), "b": (0.0, 6)})]
+    (tmp_path / "quality.json").write_text(json.dumps({"rows": rows}))
+    table = quality.report([tmp_path / "quality.json"], tmp_path / "out")
+    pooled = ((100 * 6 + 50 * 6) / 12 + (0 * 6 + 20 * 4) / 10) / 2  # 37.5 + 8.0
+    assert table.splitlines()[2:] == [f"| yarn | {pooled:.1f} | 40.0 | 8 | 30 |",
+                                      "| yarn | 0.0 |  | - | 10 |"]
+    (merged, again) = quality._merged(rows)
+    assert merged["seeds"] == {"8": [0, 1], "16": [0]} and merged["lengths"] == [8, 16]
+    assert {(s["task"], s["length"]): s["samples"] for s in merged["ruler"]["scores"]} == {
+        ("a", 8): 12, ("b", 8): 10, ("a", 16): 6, ("b", 16): 6}
+    assert again["ruler"]["averages"] == {"8": 0.0} and rows[0]["ruler"]["scores"][0][
+        "samples"] == 6  # the input rows are left as they were
