@@ -219,6 +219,34 @@ def test_dca_long_chunks_with_log_scaling(hk: int, dca_path: str) -> None:
     _check(_dca_errors(*_inputs(seq, 8, hk), chunk, local, factors=factors, scaling=scaling))
 
 
+def test_dca_kernel_scales_padded_rows_by_their_own_length(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoding engine's prefill of prompts padded to one width (`lengths`): DCA's forward
+    kernel with each row's `yarn` factor, against the float64 reference of each row alone (the
+    last row: the first piece of a longer prompt)."""
+    seq, chunk, local, original = 4096, 1024, 128, 1024
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, seq, h, D, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    lengths = [seq, 2048 + 5, 6000]
+    scaling = DCAScaling("yarn", attn_scale=0.5, original_length=original)  # steep: visible
+    calls = []
+    forward = fa4_forward.forward
+    monkeypatch.setattr(fa4_forward, "forward", lambda *a: calls.append(1) or forward(*a))
+    args = {"chunk_size": chunk, "local_size": local, "scaling": scaling}
+    with torch.no_grad():
+        out = dual_chunk_attention(q, k, v, lengths=lengths, **args)
+        shared = dual_chunk_attention(q, k, v, **args)  # every row taken as seq tokens long
+    assert len(calls) == 2  # DCA's own forward kernel, once a call
+    for b, n in enumerate(lengths):
+        rows = min(n, seq)
+        f = max(1.0, 0.5 * math.log(n / original) + 1) ** 2
+        ref, _ = dca_reference_by_part(q[b:b + 1, :rows], k[b:b + 1, :rows], v[b:b + 1, :rows],
+                                       chunk, local,
+                                       part_factors=torch.full((rows, 3), f, dtype=torch.float64))
+        assert rel_err(out[b:b + 1, :rows], ref) < 1e-2
+    assert rel_err(shared[1:2, :2053], out[1:2, :2053]) > 5e-2  # a row's own length matters
+
+
 @pytest.mark.parametrize("dca_path", DCA_KERNEL_PATHS,
                          indirect=True)
 @pytest.mark.parametrize("hk", [8, 2])

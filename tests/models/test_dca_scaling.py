@@ -90,6 +90,38 @@ def test_packed_documents_scale_by_their_own_position_and_length() -> None:
           52, 10, 3, cu)
 
 
+def test_padded_rows_scale_by_their_own_length() -> None:
+    """`lengths` (the engine's prefill of prompts padded to one width): each row's queries take
+    the yarn factor of its own length, as the float64 reference of that row alone does; the
+    first piece of a longer prompt (its length past seq) takes the whole prompt's."""
+    seq, chunk, local = 40, 10, 3
+    scaling = DCAScaling("yarn", original_length=10)
+    q, k, v = (t.detach() for t in make_qkv(3, seq, 4, 2, 8))
+    lengths = [40, 23, 60]  # the last: the first 40 tokens of a prompt of 60
+    args = {"chunk_size": chunk, "local_size": local, "scaling": scaling}
+    ours = dual_chunk_attention(q, k, v, lengths=lengths, **args)
+    for b, n in enumerate(lengths):
+        rows = min(n, seq)
+        ref = dca_reference(q[b:b + 1, :rows], k[b:b + 1, :rows], v[b:b + 1, :rows], chunk,
+                            local, part_factors=part_factors([yarn_factor(n, 0.1, 10)] * rows,
+                                                             "all"))
+        assert rel_err(ours[b:b + 1, :rows], ref) < 1e-10
+    shared = dual_chunk_attention(q, k, v, **args)  # every row taken as seq tokens long
+    assert rel_err(shared[1:2, :23], ours[1:2, :23]) > 1e-3  # a row's own length matters
+
+
+def test_row_lengths_are_refused_where_they_cannot_hold() -> None:
+    q, k, v = make_qkv(2, 20, 2, 2, 8)  # with gradients
+    args = {"chunk_size": 10, "local_size": 3, "scaling": DCAScaling("yarn")}
+    with pytest.raises(ValueError, match="for inference"):
+        dual_chunk_attention(q, k, v, lengths=[20, 5], **args)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="one positive length per batch row"):
+            dual_chunk_attention(q, k, v, lengths=[20], **args)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            dual_chunk_attention(q[:1], k[:1], v[:1], lengths=[20], cu_seqlens=[0, 20], **args)
+
+
 @pytest.mark.parametrize("parts", ["all", "succ_inter", "inter"])
 def test_token_factors_follow_the_sources_formulas(parts: str) -> None:
     """The per-token factors a decode step computes on the device, at any position and length

@@ -108,8 +108,9 @@ def test_a_length_scaling_decodes_by_the_length_when_each_token_is_computed(
         single_process, monkeypatch) -> None:
     """DCA's `yarn` scaling follows the sequence's length: a cached prompt keeps the factors of
     its prefill (its own length) and a generated token takes those of its position + 1. The
-    reference is a full forward whose factor table is exactly that (per prompt: ragged prompts
-    prefill apart); prefilled in pieces, the same tokens (fp32)."""
+    reference is a full forward whose factor table is exactly that, per prompt (the ragged
+    prompts prefill together, each row at its own length); prefilled in pieces, the same tokens
+    (fp32)."""
     from models.attention.dca import plan
     from models.attention.dca.scaling import token_factors
 
@@ -126,27 +127,24 @@ def test_a_length_scaling_decodes_by_the_length_when_each_token_is_computed(
     out = engine.generate(batch, steps)
     pieces = DecodeEngine(model, VOCAB, EngineOptions(max_batch=4, prefill_tokens=CHUNK + 3))
     assert pieces.generate(batch, steps) == out
-    assert len(seen) == 2 + steps - 1  # two prefills (two lengths), then the steps
-    # the engine's rows: prompts longest first; the two of one length prefilled together
-    rows = {0: (1, 0), 1: (1, 1), 2: (2, 0)}
+    assert len(seen) == 1 + steps - 1  # one prefill of the three, then the steps
     for i, (prompt, tokens) in enumerate(zip(batch, out)):
         n, seq = len(prompt), prompt + tokens[:-1]
         pos = torch.arange(len(seq))
         table = token_factors(scaling, CHUNK, pos, torch.where(pos < n, n, pos + 1)).T
 
         def factors(scaling, chunk_size, seq, bounds, num_parts, dtype, device, *rest,
-                    table=table):
+                    table=table, **options):
             return table[:num_parts, :seq].to(dtype=dtype, device=device)
 
         monkeypatch.setattr(plan, "query_factors", factors)
         with torch.no_grad():
             full = model(torch.tensor([seq]), pos[None], None)[0, :, :VOCAB]
         monkeypatch.undo()
-        group, row = rows[i]
-        prefill = seen[0] if group == 1 else seen[1]
-        torch.testing.assert_close(prefill[row], full[n - 1], rtol=1e-5, atol=5e-5)
+        # the engine's rows: the prompts longest first (here their order)
+        torch.testing.assert_close(seen[0][i], full[n - 1], rtol=1e-5, atol=5e-5)
         for j in range(1, steps):
-            torch.testing.assert_close(seen[1 + j][i], full[n - 1 + j], rtol=1e-5, atol=5e-5)
+            torch.testing.assert_close(seen[j][i], full[n - 1 + j], rtol=1e-5, atol=5e-5)
         assert tokens == full[n - 1:].argmax(-1).tolist()
 
 

@@ -23,9 +23,9 @@ DCA's logit scaling (`attention.dca_scaling`) multiplies each query's rotated co
 factors (models/attention/dca/scaling.py): a prompt's tokens take the factors of their prefill
 (positions in a prompt of its length), a generated token those of its position at a length of
 position + 1, and the cache keeps what each token's layers computed (keys carry no factor;
-scaling.py says where vLLM's decoding differs). A length-dependent scaling (`yarn`) therefore
-needs every prompt of a prefill to have the same length, which the engine arranges
-(`LayerCache.length_dependent`).
+scaling.py says where vLLM's decoding differs). Under a length-dependent scaling (`yarn`) a
+prefill's padded rows therefore take each prompt's own length (`record`'s `lengths`, which the
+DCA layers read), and so does each later piece of a prompt prefilled in pieces (`extend`).
 """
 
 from __future__ import annotations
@@ -87,12 +87,6 @@ class LayerCache:
                   if isinstance(core, DCACoreAttention) and core.scaling.active]
         self.scaled = scaled[0] if scaled else None
         self.factors: torch.Tensor | None = None
-
-    @property
-    def length_dependent(self) -> bool:
-        """Whether a prompt's factors depend on its length: then a prefill takes prompts of one
-        length only, and a prompt prefilled in pieces takes every piece through `extend`."""
-        return self.scaled is not None and self.scaled.scaling.length_dependent
 
     def _factors(self, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
         """[..., 3] DCA logit factors of queries at `positions` in sequences of `lengths`."""
@@ -181,20 +175,26 @@ class LayerCache:
     # -- the modes ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def record(self, slots: slice) -> Iterator[None]:
+    def record(self, slots: slice, lengths: tuple[int, ...] | None = None) -> Iterator[None]:
         """A whole-prompt forward of the batch `slots` (rows from position 0) through the
-        model's own attention, its keys and values written into the cache."""
+        model's own attention, its keys and values written into the cache; `lengths`: each
+        row's prompt length (rows padded to the longest), for DCA's length-dependent scaling."""
         def hook(i: int):
             def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
                 self._record(slots, 0, i, args[1], args[2])
             return pre
 
         handles = [core.register_forward_pre_hook(hook(i)) for i, core in enumerate(self.cores)]
+        dca = [core for core in self.cores if isinstance(core, DCACoreAttention)]
+        for core in dca:
+            core.row_lengths = lengths
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+            for core in dca:
+                core.row_lengths = None
 
     @contextlib.contextmanager
     def extend(self, slots: slice, start: int, end: int, total: int) -> Iterator[None]:

@@ -190,9 +190,8 @@ class DecodeEngine:
         start = 0
         while start < len(prompts):
             width = len(prompts[start])  # the longest of the rest (sorted longest first)
+            # a prompt longer than the budget goes alone (prefilled in pieces)
             rows = max(1, min(len(prompts) - start, budget // width))
-            if self.cache.length_dependent:  # DCA's factors follow the prompt's length
-                rows = sum(1 for p in prompts[start:start + rows] if len(p) == width)
             group = prompts[start:start + rows]
             out.append(self._prefill_group(slice(start, start + rows), group))
             start += rows
@@ -205,18 +204,12 @@ class DecodeEngine:
             tokens[r, :len(p)] = torch.tensor(p, device=self.device)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         piece = self.options.prefill_tokens
-        if width <= piece:
-            with self.cache.record(slots), self._logits_at(last):
-                return self._logits(tokens)
-        # one prompt longer than a forward may hold: the first piece through the model's own
-        # attention (unless DCA's factors follow the whole prompt's length, which that forward
-        # would take as the piece's), the rest each attending to the cache
-        first = 0
-        if not self.cache.length_dependent:
-            with self.cache.record(slots), self._logits_at(last.clamp(max=piece - 1)):
-                logits = self._logits(tokens[:, :piece])
-            first = piece
-        for begin in range(first, width, piece):
+        lengths = tuple(len(p) for p in prompts)  # DCA's length-dependent scaling reads them
+        # the whole prompts, or the first piece of one longer than a forward may hold, through
+        # the model's own attention; the other pieces each attend to the cache
+        with self.cache.record(slots, lengths), self._logits_at(last.clamp(max=piece - 1)):
+            logits = self._logits(tokens[:, :piece])
+        for begin in range(piece, width, piece):
             end = min(width, begin + piece)
             with self.cache.extend(slots, begin, end, width), \
                     self._logits_at((last - begin).clamp(0, end - begin - 1)):

@@ -148,7 +148,8 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                          scaling: DCAScaling | None = None,
                          rope_scaling: RopeScaling | None = None,
                          cuda_graphs: bool = False, backward: str = "auto",
-                         keep_rotated: bool = False) -> torch.Tensor:
+                         keep_rotated: bool = False,
+                         lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Dual Chunk Attention with exact gradients in q, k, v.
 
     q: [batch, seq, q_heads, head_dim], or [batch, seq, kv_heads, q_heads / kv_heads, head_dim]
@@ -167,6 +168,10 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     `keep_rotated`: where DCA's kernels run (not under CUDA graphs), the forward's rotated
     queries and keys stay activations until the backward, which then need not rotate them
     again (3 copies of q and one of k per call, held from forward to backward).
+    `lengths` (inference, without `cu_seqlens`): each batch row's own prompt length, for a
+    length-dependent `scaling` (yarn), whose factors follow a document's length: a batch of
+    prompts padded to one width then scales each row as that prompt alone (the engine's
+    prefill). It may exceed seq (the first piece of a longer prompt).
     Returns [batch, seq, q_heads, head_dim] in q's dtype.
     """
     check_sizes(chunk_size, local_size, rope_theta)
@@ -175,15 +180,17 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     shape = flat_heads(q)  # q's [b, s, hq, d] shape, dtype and device
     scaling = scaling or DCAScaling()
+    lengths = _check_lengths(lengths, q, k, v, bounds, scaling)
     longest = q.shape[1] if bounds is None else max(itertools.chain(
         [0], (b - a for a, b in itertools.pairwise(bounds))))
     route = dispatch.route(shape, chunk_size=chunk_size, local_size=local_size, longest=longest,
                            packed=bounds is not None, scaled=scaling.active, backward=backward,
-                           keep_rotated=keep_rotated, cuda_graphs=cuda_graphs)
+                           keep_rotated=keep_rotated,
+                           cuda_graphs=cuda_graphs and lengths is None)
     if q.dim() == 5 and route.path != DCAPath.KERNELS:
         q = q.flatten(2, 3)  # a copy: only DCA's kernels read the query heads in their groups
     plan = DCAPlan(shape, chunk_size, local_size, float(rope_theta), float(mscale), bounds,
-                   scaling, rope_scaling, route.paths)
+                   scaling, rope_scaling, route.paths, lengths)
     if route.path == DCAPath.PLAIN_CAUSAL:  # one causal kernel call, not one per chunk and part
         q, k = (rotate(x, plan.in_document, plan.cos, plan.sin) for x in (q, k))
         return causal_attention(q, k, v, softmax_scale=scale,
@@ -196,6 +203,25 @@ def dual_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         graphs = graphs_for(key, plan, scale, q, k, v,
                             lambda *args: _forward(*args)[:2], dca_backward)
     return _DualChunkAttention.apply(q, k, v, plan, scale, graphs)
+
+
+def _check_lengths(lengths: Sequence[int] | None, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, bounds: list[int] | None,
+                   scaling: DCAScaling) -> tuple[int, ...] | None:
+    """`lengths` as a tuple where a length-dependent scaling reads it (else None: positions
+    and the other scalings do not depend on a row's length)."""
+    if lengths is None or not scaling.length_dependent:
+        return None
+    lengths = tuple(int(n) for n in lengths)
+    if bounds is not None:
+        raise ValueError("lengths with cu_seqlens: packed documents have their own lengths")
+    if len(lengths) != q.shape[0] or min(lengths) < 1:
+        raise ValueError(f"lengths needs one positive length per batch row ({q.shape[0]}), "
+                         f"got {lengths}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("lengths (a length per batch row) is for inference; in training "
+                         "give each document its own length through cu_seqlens")
+    return lengths
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], batch: int,

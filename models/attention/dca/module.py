@@ -39,6 +39,10 @@ class DCACoreAttention(CoreAttention):
         # how DCA runs, from the run's options (models.options.BuildOptions), as a plain string
         self.backward = str(config.dca_backward)
         self.keep_rotated = config.dca_keep_rotated
+        # each batch row's own prompt length while a padded batch of prompts is prefilled
+        # (set by the decoding engine, trainer/engine/cache.py): a length-dependent scaling's
+        # factors follow it; None: every row is `seq` tokens long
+        self.row_lengths: tuple[int, ...] | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -47,7 +51,7 @@ class DCACoreAttention(CoreAttention):
             rope_theta=self.rope_theta, mscale=self.mscale, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, scaling=self.scaling, rope_scaling=self.rope_scaling,
             cuda_graphs=self.cuda_graphs, backward=self.backward,
-            keep_rotated=self.keep_rotated,
+            keep_rotated=self.keep_rotated, lengths=self.row_lengths,
         )
 
     def probabilities(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,8 @@ class DCAPlan:
     def __init__(self, q: torch.Tensor, chunk_size: int, local_size: int, theta: float,
                  mscale: float, bounds: list[int] | None, scaling: DCAScaling,
                  rope_scaling: RopeScaling | None = None,
-                 paths: KernelPaths | None = None) -> None:
+                 paths: KernelPaths | None = None,
+                 lengths: tuple[int, ...] | None = None) -> None:
         batch, seq, head_dim = q.shape[0], q.shape[1], q.shape[-1]
         self.length = chunk_size - local_size
         # chosen by the caller once, so forward, backward and CUDA graphs agree
@@ -69,10 +70,11 @@ class DCAPlan:
         # Positions reach C itself (min(r + L, C)), so the table has C + 1 rows.
         self.cos, self.sin = _tables(chunk_size + 1, head_dim, theta, mscale, table_dtype,
                                      q.device, rope_scaling)
-        # [parts, s] logit factor per rotated query, or None: no scaling (the default)
+        # [parts, s] logit factor per rotated query ([parts, b, s] with `lengths`: each row's
+        # own, for a length-dependent scaling in inference), or None: no scaling (the default)
         self.q_scale = query_factors(scaling, chunk_size, seq,
                                      None if bounds is None else tuple(bounds), self.num_parts,
-                                     table_dtype, q.device)
+                                     table_dtype, q.device, lengths=lengths)
         # DCA's kernels read a query block's successive tiles from the inter copy where the two
         # are the same rotation: with the inter position min(2L - 1, C) equal to C, every row
         # past a chunk's first w has its successive position r + L clamped to C too. So only
@@ -95,17 +97,23 @@ class DCAPlan:
         the parts' logit factors, if any): a contiguous [parts, b, s', hq, d], the rows where
         `part_positions` is -1 left unwritten."""
         q_rot = rotate_multi(q[:, rows], self.part_positions[:, rows], self.cos, self.sin)
-        if self.q_scale is not None:
-            q_rot.mul_(self.q_scale[:, None, rows, None, None])  # [parts, 1, s', 1, 1]
+        if self.q_scale is not None:  # [parts, 1 or b, s', 1, 1]
+            q_rot.mul_(self._rows(self.q_scale, rows)[..., None, None])
         return q_rot
 
     def rotate_q(self, q: torch.Tensor, part: int, rows: slice = slice(None)) -> torch.Tensor:
         """q [b, s', hq, d] holding sequence rows `rows` (default all), rotated for one part
         (times that part's logit factors, if any): a contiguous [b, s', hq, d]."""
         q_rot = rotate_multi(q, self.positions[part:part + 1, rows], self.cos, self.sin)[0]
-        if self.q_scale is not None:
-            q_rot.mul_(self.q_scale[part, rows, None, None])  # [s', 1, 1]
+        if self.q_scale is not None:  # [1 or b, s', 1, 1]
+            q_rot.mul_(self._rows(self.q_scale, rows)[part, ..., None, None])
         return q_rot
+
+    @staticmethod
+    def _rows(q_scale: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The factors of sequence rows `rows`: [parts, 1 or b, s'] (one table for every batch
+        row, or each row's own)."""
+        return q_scale[:, None, rows] if q_scale.dim() == 2 else q_scale[:, :, rows]
 
     def rotate_k(self, k: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """k [b, s', hk, d] holding sequence rows `rows` (default all), rotated to its in-chunk

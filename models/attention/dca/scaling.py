@@ -72,7 +72,8 @@ class DCAScaling:
     @property
     def length_dependent(self) -> bool:
         """Whether a query's factor depends on its document's length, not on its position
-        alone (a prefill then groups only prompts of equal length)."""
+        alone (a batch of prompts padded to one width then needs each row's length:
+        dual_chunk_attention's `lengths`)."""
         return self.kind == "yarn"
 
 
@@ -96,14 +97,17 @@ def token_factors(scaling: DCAScaling, chunk_size: int, positions: torch.Tensor,
 def query_factors(scaling: DCAScaling, chunk_size: int, seq: int,
                   bounds: tuple[int, ...] | None, num_parts: int, dtype: torch.dtype,
                   device: torch.device, offsets: tuple[int, ...] | None = None,
-                  total: int | None = None) -> torch.Tensor | None:
-    """[num_parts, seq] logit factor of every token's query per DCA part, or None if all are 1.
+                  total: int | None = None,
+                  lengths: tuple[int, ...] | None = None) -> torch.Tensor | None:
+    """[num_parts, seq] logit factor of every token's query per DCA part, or None if all are 1;
+    [num_parts, batch, seq] where `lengths` gives each batch row's own document length.
 
     `bounds`: document boundaries (None: one document of `seq` tokens). Under context
     parallelism `offsets` gives each local token's global position and `total` the global
-    length (one document).
+    length (one document). `lengths` (a batch of prompts padded to `seq`, in inference): row b's
+    queries take the factors of a document of lengths[b] tokens.
     """
-    table = _factors(scaling, chunk_size, seq, bounds, offsets, total)
+    table = _factors(scaling, chunk_size, seq, bounds, offsets, total, lengths)
     if table is None:
         return None
     return table[:num_parts].to(device=device, dtype=dtype, non_blocking=True)
@@ -111,12 +115,16 @@ def query_factors(scaling: DCAScaling, chunk_size: int, seq: int,
 
 @functools.lru_cache(maxsize=16)
 def _factors(scaling: DCAScaling, chunk_size: int, seq: int, bounds: tuple[int, ...] | None,
-             offsets: tuple[int, ...] | None, total: int | None) -> torch.Tensor | None:
+             offsets: tuple[int, ...] | None, total: int | None,
+             lengths: tuple[int, ...] | None) -> torch.Tensor | None:
     """Float64 CPU table behind `query_factors` (cached: every layer asks for the same)."""
     if not scaling.active:
         return None
     if offsets is not None:
         pos, length = torch.tensor(offsets, dtype=torch.float64), torch.full((seq,), total)
+    elif lengths is not None:  # [b, seq]: every row at positions 0.., its own length
+        pos = torch.arange(seq, dtype=torch.float64).expand(len(lengths), seq)
+        length = torch.tensor(lengths, dtype=torch.float64)[:, None].expand(-1, seq)
     elif bounds is None:
         pos, length = torch.arange(seq, dtype=torch.float64), torch.full((seq,), seq)
     else:
@@ -124,7 +132,8 @@ def _factors(scaling: DCAScaling, chunk_size: int, seq: int, bounds: tuple[int, 
         sizes = edges.diff()
         pos = (torch.arange(seq) - edges[:-1].repeat_interleave(sizes)).to(torch.float64)
         length = sizes.repeat_interleave(sizes)
-    table = token_factors(scaling, chunk_size, pos, length, torch.float64).T  # [3, seq]
+    table = token_factors(scaling, chunk_size, pos, length, torch.float64)  # [(b,) seq, 3]
+    table = table.movedim(-1, 0)  # [3, (b,) seq]
     if bool((table == 1).all()):
         return None  # nothing to scale (e.g. every document within its trained length)
     return table.contiguous()
