@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ckpt.reader import Checkpoint
 from models.schema import AttentionConfig, ModelConfig, head_dim_of
 from models.validation import (
     SettingError,
@@ -309,3 +310,19 @@ def hf_config(model: ModelConfig, vocab_size: int, max_positions: int, dtype: st
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
     return cfg
+
+
+def source_config(ckpt: Checkpoint) -> dict[str, Any]:
+    """The config.json of the Hugging Face model the checkpoint was imported from (kept through
+    fine-tunes in the record's `hf_source`), or {}."""
+    source = ckpt.meta.hf_source
+    return json.loads(source.config_json) if source and source.config_json else {}
+
+
+def model_max_positions(ckpt: Checkpoint) -> int:
+    """The model's own context length: the imported model's `max_position_embeddings` (its
+    original one, if an export recorded a longer length for DCA), else the trained length."""
+    hf = source_config(ckpt)
+    own = (hf.get("longctx") or {}).get("original_max_position_embeddings") \
+        or hf.get("max_position_embeddings")
+    return int(own or ckpt.meta.seq_length)

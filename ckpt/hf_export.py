@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from ckpt import remote_code
 from ckpt.destination import add_destination_arguments, staged
 from ckpt.disk import file_size_limit
-from ckpt.hf_config import HFError, hf_config
+from ckpt.hf_config import HFError, hf_config, model_max_positions, source_config
 from ckpt.hf_import import INDEX
 from ckpt.hf_weights import Shape, hf_tensors
 from ckpt.inspect import human_bytes
@@ -94,22 +94,6 @@ def _longctx(ckpt: Checkpoint, m: ModelConfig, original_max: int) -> dict[str, A
     if att.kind == "chunked":
         out.update(chunk_size=att.chunk_size, global_layer_interval=att.global_layer_interval)
     return out
-
-
-def _source_config(ckpt: Checkpoint) -> dict[str, Any]:
-    """The config.json of the Hugging Face model the checkpoint was imported from (kept through
-    fine-tunes in the record's `hf_source`), or {}."""
-    source = ckpt.meta.hf_source
-    return json.loads(source.config_json) if source and source.config_json else {}
-
-
-def model_max_positions(ckpt: Checkpoint) -> int:
-    """The model's own context length: the imported model's `max_position_embeddings` (its
-    original one, if an export recorded a longer length for DCA), else the trained length."""
-    hf = _source_config(ckpt)
-    own = (hf.get("longctx") or {}).get("original_max_position_embeddings") \
-        or hf.get("max_position_embeddings")
-    return int(own or ckpt.meta.seq_length)
 
 
 def _family(ckpt: Checkpoint, m: ModelConfig) -> str:
@@ -246,7 +230,7 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False,
                       f"length ({own}); give at least {own}")
     settings = _longctx(ckpt, m, own)
     family = _family(ckpt, m)
-    max_positions = max_positions or _source_config(ckpt).get("max_position_embeddings") or own
+    max_positions = max_positions or source_config(ckpt).get("max_position_embeddings") or own
     cfg = hf_config(m, vocab, max_positions, _DTYPES[dtype],
                     {"longctx": settings} if settings else {}, family)
     if settings:

@@ -30,7 +30,8 @@ from ckpt.saved_config import literal
 from trainer.config import CONF_DIR, TrainConfig, command_line_overrides, register_configs
 from trainer.entry import arrange_argv, check_overrides, exits_on_user_error
 from trainer.errors import UserError
-from trainer.evals.decoding import REPLACEMENT
+
+REPLACEMENT = "\ufffd"  # what decoding an unfinished UTF-8 character gives
 
 
 @dataclass
@@ -54,9 +55,9 @@ ConfigStore.instance().store(name="generate_config", node=GenerateConfig)
 
 
 def context_limit(ckpt: Checkpoint, attention: DictConfig) -> int | None:
-    """The most tokens the model attends: its own context length (ckpt/hf_export.py's
+    """The most tokens the model attends: its own context length (ckpt/hf_config.py's
     `model_max_positions`); None for DCA, whose relative positions never exceed its chunk."""
-    from ckpt.hf_export import model_max_positions
+    from ckpt.hf_config import model_max_positions
 
     return None if attention.kind == "dca" else model_max_positions(ckpt)
 
@@ -112,7 +113,6 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None
              ) -> list[list[int]]:
     """The new tokens of each prompt of `cfg` (a GenerateConfig); with one prompt, its text goes
     to `emit` as it comes."""
-    from parallel.distributed import initialize_parallel, shutdown
     from trainer.data.tokenizer import load_tokenizer
     from trainer.engine.budget import check_cache
     from trainer.eval import checkpoint_data, load_model, run_attention
@@ -150,6 +150,9 @@ def generate(cfg: DictConfig, emit: Callable[[str], None] = lambda text: None
         check_cache(model_cfg, len(prompts), total, cfg.batch_size, bf16,
                     cfg.decode.max_cache_gb, device,
                     "shorten the prompt, lower max_new_tokens or batch_size")
+    # megatron (seconds of imports) only once every setting and the prompts have passed
+    from parallel.distributed import initialize_parallel, shutdown
+
     initialize_parallel(device, 1, cfg.seed)
     try:
         model, tokenizer = load_model(run, model_cfg, data.tokenizer, ckpt, device, bf16)

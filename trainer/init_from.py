@@ -18,7 +18,6 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from ckpt.destination import stranded_note
-from ckpt.load import load_fine_tune_start
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import MODEL_WEIGHT, Checkpoint, CheckpointError
 from ckpt.saved_config import literal
@@ -71,6 +70,8 @@ class FineTuneStart:
         return checkpoint_vocab(self.ckpt, tokenizer_vocab, tokenizer)
 
     def load(self, model: torch.nn.Module) -> None:
+        from ckpt.load import load_fine_tune_start  # megatron: after a command's checks
+
         load_fine_tune_start(self.ckpt, model)
 
 

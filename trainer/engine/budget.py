@@ -1,16 +1,29 @@
 """Whether a KV cache fits: checked from the model's shape before any model is loaded, so a
-batch or a prompt too large for the machine is one `error:` line, not an allocator traceback."""
+batch or a prompt too large for the machine is one `error:` line, not an allocator traceback.
+The cache's sizes live here, apart from the engine (which imports megatron), so a command
+checks them before those imports."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from models.schema import ModelConfig, head_dim_of
-from trainer.engine.cache import LayerCache
-from trainer.engine.engine import LENGTH_MULTIPLE, bucket
 from trainer.errors import UserError
 
 GB = 1 << 30
+LENGTH_MULTIPLE = 1024  # cache lengths are rounded up to this: one graph serves many lengths
+
+
+def bucket(n: int, multiple: int) -> int:
+    return multiple * math.ceil(n / multiple)
+
+
+def kv_bytes(num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
+             itemsize: int) -> int:
+    """Bytes of a cache of this shape (keys and values of every layer)."""
+    return 2 * num_layers * batch * kv_heads * length * head_dim * itemsize
 
 
 def cache_shape(batch: int, length: int, max_batch: int) -> tuple[int, int]:
@@ -22,8 +35,7 @@ def cache_shape(batch: int, length: int, max_batch: int) -> tuple[int, int]:
 
 def cache_bytes(model: ModelConfig, rows: int, positions: int, itemsize: int) -> int:
     kv_heads = model.num_query_groups or model.num_attention_heads
-    return LayerCache.nbytes(model.num_layers, rows, kv_heads, positions, head_dim_of(model),
-                             itemsize)
+    return kv_bytes(model.num_layers, rows, kv_heads, positions, head_dim_of(model), itemsize)
 
 
 def cache_limit(max_cache_gb: float | None, device: torch.device) -> int:

@@ -94,12 +94,6 @@ class LayerCache:
             return None
         return token_factors(self.scaled.scaling, self.scaled.chunk_size, positions, lengths)
 
-    @staticmethod
-    def nbytes(num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
-               itemsize: int) -> int:
-        """Bytes of a cache of this shape (keys and values of every layer)."""
-        return 2 * num_layers * batch * kv_heads * length * head_dim * itemsize
-
     # -- what each mode writes and attends -------------------------------------------------
 
     def _rotate_dca_keys(self, i: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

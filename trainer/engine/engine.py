@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,12 +28,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from trainer.engine.budget import LENGTH_MULTIPLE, bucket
 from trainer.engine.cache import LayerCache, unwrapped
 from trainer.engine.sampling import Sampler, Sampling
 
 log = logging.getLogger(__name__)
 
-LENGTH_MULTIPLE = 1024  # cache lengths are rounded up to this: one graph serves many lengths
 
 
 @dataclass(frozen=True)
@@ -62,10 +61,6 @@ class EngineStats:
         """The split under the names a command's timing (trainer/timing.py) reports it."""
         return {"engine.prefill": self.prefill_s, "engine.decode": self.decode_s,
                 "engine.capture": self.capture_s}
-
-
-def bucket(n: int, multiple: int) -> int:
-    return multiple * math.ceil(n / multiple)
 
 
 class DecodeEngine:

@@ -15,7 +15,6 @@ from collections import defaultdict
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-REPLACEMENT = "\ufffd"  # what decoding an unfinished UTF-8 character gives
 # new tokens a retrieval answer may take at most (a key's or value's characters, and spare)
 ANSWER_TOKENS = 64
 
