@@ -35,7 +35,6 @@ from trainer.engine.sampling import Sampler, Sampling
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine runs (not what it computes)."""
