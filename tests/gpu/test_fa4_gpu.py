@@ -12,6 +12,7 @@ Context parallelism's ring parts run the same LSE part calls; their CP=2 test
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 
@@ -465,3 +466,21 @@ def test_lse_forward_matches_the_math_path() -> None:
                                                        D ** -0.5)
         assert rel_err(out, ref_out) < 1e-2
         assert (lse - ref_lse).abs().max() < 1e-2
+
+
+def test_dca_forward_bench_times_the_kernel_against_causal(tmp_path) -> None:
+    """bench/dca_forward.py: DCA's forward kernel with one part is causal attention (what makes
+    its row comparable with FA4 causal's forward), and the bench writes every variant's time."""
+    from bench import dca_forward
+
+    q, k, v, _ = _inputs(1024, 8, 2)
+    q, k, v = (x.detach() for x in (q, k, v))
+    out, lse = torch.empty_like(q), torch.empty(1, 8, 1024, device="cuda")
+    fa4_forward.forward(q, k, v, D ** -0.5, 256, 256, out, lse)  # one part: L = 256
+    assert rel_err(out, causal_attention(q, k, v)) < 1e-2
+    path = tmp_path / "fwd.json"
+    dca_forward.main(["--cases", "1024:8:256:128", "--rounds", "2", "--back-to-back", "1",
+                      "--out", str(path)])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert set(row["median_ms"]) == {"fa4_causal", "dca_one_part", "dca", "dca_unshared"}
+    assert all(t > 0 for t in row["median_ms"].values())
