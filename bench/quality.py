@@ -150,7 +150,8 @@ def _merged(rows: list[dict]) -> list[dict]:
     in separate rows are joined, and a length measured again with another seed (other prompts)
     is pooled, each task's score weighted by its samples; the averages and the effective
     length are recomputed. A length measured again with the same seed stays a row of its own.
-    Each merged row's `seeds` says which seeds each length pools."""
+    Each merged row's `seeds` says which seeds each length pools, and its `samples` becomes,
+    per length, the fewest samples any task has there."""
     from trainer.evals.ruler.scoring import effective_length
 
     merged: list[dict] = []
@@ -181,7 +182,12 @@ def _merged(rows: list[dict]) -> list[dict]:
         for cell in first["ruler"]["scores"]:
             by_length.setdefault(int(cell["length"]), []).append(cell["score"])
         averages = {n: sum(v) / len(v) for n, v in sorted(by_length.items())}
+        samples: dict[str, int] = {}  # per length: the fewest samples any task has there
+        for cell in first["ruler"]["scores"]:
+            key = str(cell["length"])
+            samples[key] = min(samples.get(key, cell["samples"]), cell["samples"])
         first.update(lengths=sorted(set(first["lengths"]) | set(row["lengths"])),
+                     samples=dict(sorted(samples.items(), key=lambda kv: int(kv[0]))),
                      seconds=first["seconds"] + row["seconds"],
                      ruler={**first["ruler"], "averages": {str(n): v for n, v in averages.items()},
                             "effective_length": effective_length(averages,

@@ -105,6 +105,7 @@ def test_report_pools_seeds_and_joins_lengths(tmp_path: Path) -> None:
                                       "| yarn | 0.0 |  | - | 10 |"]
     (merged, again) = quality._merged(rows)
     assert merged["seeds"] == {"8": [0, 1], "16": [0]} and merged["lengths"] == [8, 16]
+    assert merged["samples"] == {"8": 10, "16": 6} and again["samples"] == 6
     assert {(s["task"], s["length"]): s["samples"] for s in merged["ruler"]["scores"]} == {
         ("a", 8): 12, ("b", 8): 10, ("a", 16): 6, ("b", 16): 6}
     assert again["ruler"]["averages"] == {"8": 0.0} and rows[0]["ruler"]["scores"][0][
