@@ -31,17 +31,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from ckpt import lock
 from ckpt.disk import (
     failure_text,
     file_size_limit,
     hit_file_size_limit,
+    human_bytes,
     ran_out_of_space,
     space_shortfall,
 )
-from ckpt.inspect import human_bytes
 
 # Destinations this process has completely written (`python -m ckpt` reports them truthfully
 # when a signal arrives after the commit).
@@ -112,6 +110,9 @@ def staged(dst: Path, overwrite: bool, sources: tuple[Path, ...] = (),
 def _write_problem(tmp: Path, e: BaseException) -> tuple[str, str] | None:
     """What stopped a write that failed with `e` and what to do, if it is the disk or the
     process's limits."""
+    # here, not above: torch takes seconds to import, and a command that failed writing has it
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if not isinstance(e, (Exception, CheckpointException)):  # interrupted, or exiting
         return None
     if ran_out_of_space(tmp, e):

@@ -10,10 +10,17 @@ import resource
 from collections.abc import Iterator
 from pathlib import Path
 
-from ckpt.inspect import human_bytes
-
 # Below this, a write that failed is taken to have failed for want of space.
 LOW_WATER_BYTES = 16 * 2**20
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes in decimal units, as messages and tables show sizes ("1.5 GB")."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 def free_bytes(path: Path) -> int:

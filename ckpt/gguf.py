@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ckpt.destination import add_destination_arguments, staged
+from ckpt.destination import staged
 from ckpt.hf_config import HFError
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -30,15 +30,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gguf_to_hf(gguf: str | Path, dst: str | Path, *, dtype: str = "fp32",
-               overwrite: bool = False) -> None:
-    """Write the model in the GGUF file `gguf` as the Hugging Face directory `dst`."""
-    gguf = Path(gguf).resolve()
+def gguf_file(path: str | Path) -> Path:
+    """`path` resolved, if it is a GGUF file (its magic bytes), else HFError."""
+    gguf = Path(path).resolve()
     if not gguf.is_file():
         raise HFError(f"{gguf}: no such GGUF file")
     with open(gguf, "rb") as f:
         if f.read(4) != b"GGUF":
             raise HFError(f"{gguf}: not a GGUF file (it does not start with 'GGUF')")
+    return gguf
+
+
+def gguf_to_hf(gguf: str | Path, dst: str | Path, *, dtype: str = "fp32",
+               overwrite: bool = False) -> None:
+    """Write the model in the GGUF file `gguf` as the Hugging Face directory `dst`."""
+    gguf = gguf_file(gguf)
     try:
         import gguf as _  # noqa: F401  transformers' dequantizer
         import torch
@@ -74,18 +80,6 @@ def gguf_to_hf(gguf: str | Path, dst: str | Path, *, dtype: str = "fp32",
         (tmp / "gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
     print(f"wrote {dst} ({cfg['architectures'][0]}, {len(tensors)} tensors, {cfg['dtype']}, "
           f"from {name})")
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "gguf-to-hf", help="convert a GGUF model file into a Hugging Face model directory",
-        description="Dequantize a Llama/Qwen2/Mistral GGUF file (transformers + gguf) into a "
-                    "Hugging Face model directory that import-hf takes.")
-    p.add_argument("gguf", help="the .gguf file")
-    add_destination_arguments(p, "the Hugging Face model directory")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="the weights' dtype (default fp32)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckpt.reader import Checkpoint
 from models.schema import AttentionConfig, ModelConfig, head_dim_of
 from models.validation import (
     SettingError,
@@ -23,6 +22,9 @@ from models.validation import (
     check_value,
     flag,
 )
+
+if TYPE_CHECKING:  # annotations only: the reader loads torch; `read_config` runs before it
+    from ckpt.reader import Checkpoint
 
 # architecture -> (model_type, q/k/v biases always on)
 ARCHITECTURES = {

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckpt import remote_code
-from ckpt.destination import add_destination_arguments, staged
+from ckpt.destination import staged
 from ckpt.disk import file_size_limit
 from ckpt.hf_config import HFError, hf_config, model_max_positions, source_config
 from ckpt.hf_import import INDEX
@@ -45,7 +45,7 @@ from ckpt.hf_weights import Shape, hf_tensors
 from ckpt.inspect import human_bytes
 from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
+from ckpt.reader import MODEL_WEIGHT, Checkpoint
 from models.gpt import ffn_hidden_size
 from models.schema import (
     AttentionConfig,
@@ -290,39 +290,6 @@ def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> None:
         path = tok if name == "tokenizer.json" else tok.parent / name
         if path.is_file():
             shutil.copyfile(path, out / name)
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "export-hf", help="export a checkpoint as a Hugging Face Llama/Qwen2 model",
-        description="Write a checkpoint (any TP size) as a directory that "
-                    "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, "
-                    "safetensors and the run's tokenizer files. DCA, chunked and head-gated "
-                    "models carry transformers remote code (trust_remote_code=True) that runs "
-                    "the attention they were trained with.")
-    p.add_argument("src", help=CHECKPOINT_HELP)
-    add_destination_arguments(p, "the Hugging Face model directory")
-    p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30,
-                   help="split model.safetensors into shards with an index above this size")
-    p.add_argument("--max-position-embeddings", type=int, metavar="N",
-                   help="the context length to record (default: the model's own, the imported "
-                        "model's or the trained length; with an extension 4x for DCA, the "
-                        "factor's for RoPE scaling); e.g. the length a DCA model serves")
-    extend = p.add_argument_group("training-free context extension (no fine-tune)")
-    extend.add_argument("--attention", choices=("dca",),
-                        help="export a standard-attention model with Dual Chunk Attention")
-    extend.add_argument("--dca-chunk-size", type=int, metavar="C",
-                        help="DCA's chunk (default 3T/4 of the model's length T)")
-    extend.add_argument("--dca-local-size", type=int, metavar="W",
-                        help="DCA's local window (default T/16)")
-    extend.add_argument("--dca-scaling", choices=("log", "yarn"),
-                        help="DCA's logit scaling: log (Llama 4's temperature from the model's "
-                             "length T on) or yarn (Qwen2.5-1M's)")
-    extend.add_argument("--rope-scaling", choices=("linear", "ntk", "yarn"),
-                        help="export with RoPE scaling from the model's length")
-    extend.add_argument("--rope-factor", type=float, metavar="S",
-                        help="the RoPE scaling factor (default 4)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import SafetensorError, safe_open
 
-from ckpt.destination import add_destination_arguments, staged
+from ckpt.destination import staged
 from ckpt.hf_config import (
     HFError,
     architecture,
@@ -309,22 +309,6 @@ def _tp_problems(model: ModelConfig, vocab: int, tp: int) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     return problems
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "import-hf", help="import a Hugging Face Llama/Qwen2/Mistral model",
-        description="Import a Hugging Face LlamaForCausalLM, Qwen2ForCausalLM or "
-                    "MistralForCausalLM directory (config.json + safetensors) as a model-only "
-                    "checkpoint at TP=N that `python -m trainer checkpoint.load=DST` fine-tunes "
-                    "and `python -m trainer.eval` evaluates. Needs no GPU.")
-    p.add_argument("hf_dir", help="the Hugging Face model directory")
-    add_destination_arguments(p, "the new checkpoints root")
-    p.add_argument("--target-tp", type=int, default=1, metavar="N", help="TP size (default 1)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"),
-                   help="weights' dtype (default: fp32 if the source is fp32, else bf16)")
-    p.add_argument("--dry-run", action="store_true", help="check and describe; write nothing")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

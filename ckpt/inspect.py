@@ -8,9 +8,10 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+from ckpt.disk import human_bytes
 from ckpt.layout import tp_layout
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
+from ckpt.reader import MODEL_WEIGHT, Checkpoint
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:
@@ -44,14 +45,6 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "objects": dict(sorted(objects.items())),
     }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def format_table(rows: list[list[str]], header: list[str]) -> str:
@@ -113,17 +106,6 @@ def print_description(d: dict[str, Any]) -> None:
     print(f"\n{len(rows)} tensors:")
     print(format_table(rows, ["key", "global shape", "dtype", "size", "TP split"]))
     print("\nobjects: " + ", ".join(f"{k} ({n} shards)" for k, n in d["objects"].items()))
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "inspect", help="show a checkpoint's step, settings, TP size and tensors",
-        description="Show a checkpoint's step, model and attention settings, the TP size it was "
-                    "saved at, every tensor's global shape and dtype, and bytes on disk. Reads "
-                    "only the index and common state: no tensor data is loaded.")
-    p.add_argument("dir", help=CHECKPOINT_HELP)
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckpt.reader import CheckpointError, TensorInfo
+from ckpt.paths import CheckpointError
+
+if TYPE_CHECKING:  # annotations only: the reader loads torch (zarr_manifest stays light)
+    from ckpt.reader import TensorInfo
 
 # Optimizer state mirrors a model tensor: `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<key>`.
 _OPTIMIZER = re.compile(r"^optimizer\.state\.[^.]+\.")

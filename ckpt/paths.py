@@ -10,7 +10,12 @@ import os
 import re
 from pathlib import Path
 
+from ckpt.destination import stranded_note
+
 TRACKER = "latest_checkpointed_iteration.txt"
+
+# Help text of every command's checkpoint argument (what `resolve_checkpoint` accepts).
+CHECKPOINT_HELP = "a checkpoints root (its latest checkpoint) or an iter_* directory"
 
 
 class CheckpointError(RuntimeError):
@@ -34,8 +39,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if re.fullmatch(r"iter_\d+", path.name) and (path / "metadata.json").is_file():
         return path
     if not path.exists():
-        from ckpt.destination import stranded_note  # here: destination imports torch
-
         raise FileNotFoundError(f"{path}: no such file or directory{stranded_note(path)}")
     raise FileNotFoundError(
         f"{path} is neither a checkpoints root (no {TRACKER}) nor a complete iter_* checkpoint"

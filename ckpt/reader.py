@@ -55,9 +55,6 @@ _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.chec
 # The embedding: its rows are the padded vocabulary.
 MODEL_WEIGHT = "embedding.word_embeddings.weight"
 
-# Help text of every command's checkpoint argument (what `resolve_checkpoint` accepts).
-CHECKPOINT_HELP = "a checkpoints root (its latest checkpoint) or an iter_* directory"
-
 
 @dataclass(frozen=True)
 class Item:

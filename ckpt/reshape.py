@@ -30,12 +30,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from tqdm import tqdm
 
-from ckpt.destination import add_destination_arguments, staged
+from ckpt.destination import staged
+from ckpt.errors import ReshapeError
 from ckpt.layout import is_optimizer_key, model_key
 from ckpt.load import CheckpointMismatchError, expected_entries, open_checked, template_mismatches
 from ckpt.optimizer_format import DISTRIBUTED, MASTER, PREFIX, convert_common
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, MODEL_WEIGHT, Checkpoint
+from ckpt.reader import MODEL_WEIGHT, Checkpoint
 from ckpt.reshape_plan import (
     PlanRow,
     has_master_weights,
@@ -54,11 +55,6 @@ from parallel.cpu_mode import enable_cpu_mode
 from parallel.distributed import initialize_parallel, shutdown
 from parallel.lifetime import run_workers
 from parallel.placement import Layout
-
-
-class ReshapeError(RuntimeError):
-    """The checkpoint cannot be reshaped as asked (the message says why)."""
-
 
 Buffers = dict[tuple[str, str], torch.Tensor]
 
@@ -258,40 +254,6 @@ def _verify(src: Checkpoint, dst: Checkpoint, rows: list[PlanRow]) -> None:
         raise ReshapeError("verification failed; nothing written:\n  " + "\n  ".join(bad))
     models = sum(not is_optimizer_key(k) for k in pairs)
     print(f"verified: {len(pairs)} tensors ({models} model) bitwise equal to the source")
-
-
-def _on_off(value: str) -> bool:
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
-    return value == "on"
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "reshape", help="rewrite a checkpoint for another TP / PP size or optimizer format",
-        description="Rewrite a training checkpoint for TP=N x PP=M and an optimizer format "
-                    "(each defaults to the source's): checks that the model fits (layers per "
-                    "stage, heads, query groups, MLP size, vocabulary padding), then N x M CPU "
-                    "processes build the model chunks of that layout from the saved config, "
-                    "load SRC and save DST, a checkpoints root that `python -m trainer "
-                    "checkpoint.load=DST parallel.tp=N parallel.pp=M "
-                    "[parallel.distributed_optimizer=...]` resumes from. Needs no GPU. DST "
-                    "appears only when complete.")
-    p.add_argument("src", help=CHECKPOINT_HELP)
-    add_destination_arguments(p, "the new checkpoints root")
-    p.add_argument("--target-tp", type=int, metavar="N", help="the new TP size")
-    p.add_argument("--target-pp", type=int, metavar="M", help="the new number of pipeline stages")
-    p.add_argument("--target-dist-opt", type=_on_off, metavar="on|off",
-                   help="the optimizer state in the distributed optimizer's format (on) or the "
-                        "plain one (off)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (every tensor's shards, ranks and offsets before and "
-                        "after) and write nothing")
-    p.add_argument("--model-only", action="store_true",
-                   help="write model weights only (no optimizer or scheduler: not resumable)")
-    p.add_argument("--verify", action="store_true",
-                   help="reload DST and check its tensors are bitwise equal to SRC's")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
 from ckpt.inspect import format_table, human_bytes
 from ckpt.paths import resolve_checkpoint
-from ckpt.reader import CHECKPOINT_HELP, Checkpoint, CheckpointError
+from ckpt.reader import Checkpoint, CheckpointError
 
 
 def check(ckpt: Checkpoint, progress: bool = True) -> list[str]:
@@ -77,23 +77,6 @@ def compare(a: Checkpoint, b: Checkpoint, keys: Iterable[str] | None = None, ato
         same = bitwise_equal(tx, ty) if atol == 0 else diff <= atol
         out.append(Difference(key, diff, None if same else f"max abs diff {diff:.3g}"))
     return out
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "verify", help="read every tensor; optionally compare with another checkpoint",
-        description="Read every tensor of a checkpoint and check it is complete and readable: "
-                    "all files present and long enough, every file's SHA-256 as recorded at save "
-                    "time in checksums.json (naming each changed, missing or extra file), every "
-                    "stored item's CRC-32, every pickled object loadable without running code, "
-                    "every tensor fully covered by its chunks. With --against, compare the two "
-                    "checkpoints tensor by tensor. Exits 1 on any problem or mismatch.")
-    p.add_argument("dir", help=CHECKPOINT_HELP)
-    p.add_argument("--against", metavar="OTHER",
-                   help="compare with this checkpoint: same keys, shapes, dtypes and values")
-    p.add_argument("--atol", type=float, default=0.0,
-                   help="largest absolute difference that still matches (default 0: bitwise)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

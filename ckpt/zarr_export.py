@@ -30,21 +30,17 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from tqdm import tqdm
 
-from ckpt.destination import add_destination_arguments, staged
+from ckpt.destination import staged
+from ckpt.errors import ExportError
 from ckpt.layout import TPLayout, checked_layout, is_stacked
 from ckpt.paths import resolve_checkpoint
 from ckpt.plain import decode, encode
-from ckpt.reader import CHECKPOINT_HELP, Checkpoint, object_location
+from ckpt.reader import Checkpoint, object_location
 from ckpt.save import write_checkpoint
-from ckpt.zarr_manifest import manifest_problems, tensor_bytes
+from ckpt.zarr_manifest import MANIFEST, manifest_path, manifest_problems, tensor_bytes
 from parallel.distributed import init_process_group
 
 FORMAT, VERSION, DRIVER = "longctx-zarr", 1, "zarr3"
-MANIFEST = "manifest.json"
-
-
-class ExportError(RuntimeError):
-    """An export or import that cannot proceed (the message says why)."""
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -141,10 +137,7 @@ def _fused(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_manifest(export_dir: str | Path) -> dict[str, Any]:
-    path = Path(export_dir) / MANIFEST
-    if not path.is_file():
-        raise ExportError(f"{path} is missing: {export_dir} is not a `python -m ckpt export` "
-                          "output")
+    path = manifest_path(export_dir)
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -238,26 +231,11 @@ def import_export(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
     print(f"imported {len(manifest['tensors'])} tensors from {src} into {dst}")
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "export", help="write every tensor as a zarr array (tensorstore)",
-        description="Export a checkpoint: every global tensor (model and optimizer state) as a "
-                    "zarr v3 array written with tensorstore, chunked along its TP axis, plus "
-                    "manifest.json (step, config, shapes, dtypes, TP axes, checksums, the "
-                    "[QKV; Gate] split, the common state and RNG states as exact JSON). "
-                    "`import` turns it back into a resumable training checkpoint, bit for bit.")
-    p.add_argument("src", help=CHECKPOINT_HELP)
-    add_destination_arguments(p, "the export directory")
-    p.add_argument("--format", choices=["zarr"], required=True, help="the output format")
-    p.add_argument("--chunk-tp", type=int, metavar="N",
-                   help="align chunks with TP=N ranks' slices (default: the TP size saved at)")
-    p.set_defaults(run=lambda a: export(a.src, a.dst, chunk_tp=a.chunk_tp,
-                                        overwrite=a.overwrite) or 0)
-    p = commands.add_parser(
-        "import", help="turn a zarr export back into a training checkpoint",
-        description="Write a `python -m ckpt export` directory back as a torch_dist training "
-                    "checkpoint (a checkpoints root with one iter_* directory), bit for bit; "
-                    "every array is checked against the manifest's SHA-256 first.")
-    p.add_argument("src", help="the export directory")
-    add_destination_arguments(p, "the new checkpoints root")
-    p.set_defaults(run=lambda a: import_export(a.src, a.dst, overwrite=a.overwrite) or 0)
+def run_export(args: argparse.Namespace) -> int:
+    export(args.src, args.dst, chunk_tp=args.chunk_tp, overwrite=args.overwrite)
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    import_export(args.src, args.dst, overwrite=args.overwrite)
+    return 0

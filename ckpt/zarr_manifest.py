@@ -12,11 +12,23 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ckpt.errors import ExportError
 from ckpt.layout import TPLayout
 
+# The file an export's arrays are described in, at its top.
+MANIFEST = "manifest.json"
 # The dtypes a training checkpoint holds (and `_to_torch` turns back into tensors): their sizes.
 DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
           "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def manifest_path(export_dir: str | Path) -> Path:
+    """The manifest of the export `export_dir`; ExportError when there is none."""
+    path = Path(export_dir) / MANIFEST
+    if not path.is_file():
+        raise ExportError(f"{path} is missing: {export_dir} is not a `python -m ckpt export` "
+                          "output")
+    return path
 
 
 def _count(value: Any, least: int) -> bool:

@@ -244,7 +244,10 @@ def _worker(rank: int, fn: Callable[..., None], world: int, port: int, tp: int |
 # tests/warm_server.py composes, once, the configs each child would compose again.
 mp.set_forkserver_preload(["tests.conftest", "tests.module_runs", "trainer.train",
                            "trainer.eval", "trainer.generate", "ckpt.__main__",
-                           "tests.warm_server"])
+                           *(f"ckpt.{command}" for command in (
+                               "inspect", "verify", "reshape", "zarr_export", "hf_import",
+                               "hf_export", "gguf")),  # the commands' modules, which
+                           "tests.warm_server"])  # ckpt.__main__ imports when one runs
 
 
 def start_forkserver() -> None:
