@@ -90,9 +90,12 @@ def run(cfg: DictConfig) -> None:
 
 def _validate(cfg: DictConfig, argv: list[str]) -> None:
     from trainer.config import check_known_keys
+    from trainer.init_from import check_load_exists
     from trainer.validate import validate_train
 
     check_known_keys(cfg)
+    if cfg.checkpoint.load:  # before validate_train, which imports megatron for the model check
+        check_load_exists(cfg.checkpoint.load)
     validate_train(cfg, int(os.environ.get("WORLD_SIZE", "1")), overrides=argv)
 
 

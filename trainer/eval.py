@@ -37,11 +37,11 @@ from trainer.config import (
     register_configs,
     run_options,
 )
-from trainer.entry import arrange_argv, check_overrides, exits_on_user_error
+from trainer.entry import arrange_argv, check_early, check_overrides, exits_on_user_error
 from trainer.evals.results import EvalResults
 from trainer.resume import saved_run_config
 from trainer.rope_override import describe_rope, typed_model_keys, with_rope_overrides
-from trainer.validate import check_model, placement, validate_eval
+from trainer.validate import check_eval_source, check_model, placement, validate_eval
 
 register_configs()
 log = logging.getLogger(__name__)
@@ -184,6 +184,14 @@ def _log_wandb(cfg: DictConfig, run_dir: Path, label: str, cells: list, points: 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the evaluation; returns the results written to `eval.json`."""
+    from trainer.init_from import open_load
+
+    # the settings and the checkpoint first: a mistake in either is refused before megatron's
+    # imports (seconds on a few cores)
+    check_known_keys(cfg)
+    validate_eval(cfg)
+    ckpt = open_load(cfg.checkpoint.load)
+
     from models.attention.dca.scaling import describe
     from models.attention.registry import dca_scaling
     from parallel.distributed import initialize_parallel, shutdown
@@ -193,12 +201,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     from trainer.evals.decoding import ANSWER_TOKENS, Greedy
     from trainer.evals.measures import attention_by_distance, passkey_accuracy, perplexity_by_length
     from trainer.evals.retrieval import multikey_accuracy
-    from trainer.init_from import open_load
     from trainer.timing import Phases
 
-    check_known_keys(cfg)
-    validate_eval(cfg)
-    ckpt = open_load(cfg.checkpoint.load)
     meta = ckpt.meta
     trained_length = cfg.eval.trained_length or meta.seq_length
     if cfg.eval.lengths is None:
@@ -335,7 +339,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])
+    composed = check_overrides(sys.argv[1:])
+    if composed is not None:
+        check_early(lambda: check_eval_source(composed))
     named = any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:])
     # eval.log, not train.log; Hydra's flags anywhere on the line
     sys.argv[1:] = arrange_argv(sys.argv[1:], (() if named else ("hydra.job.name=eval",)) + (

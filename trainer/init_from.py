@@ -26,13 +26,19 @@ from trainer.errors import UserError
 from trainer.rope_override import typed_model_keys, with_rope_overrides
 
 
-def open_load(load: str) -> Checkpoint:
-    """The checkpoint `checkpoint.load` names, resolved and opened once for the whole start
-    (its record read and checked); the run reads everything it needs from this object."""
+def check_load_exists(load: str) -> None:
+    """Refuse a `checkpoint.load` that names nothing (the entry points call it before megatron's
+    imports; `open_load` again)."""
     if not Path(load).exists():
         raise UserError(f"checkpoint.load={load}: no such file or directory; give a checkpoints "
                         "root (e.g. outputs/<date>/<time>/checkpoints) or one iter_* directory"
                         + stranded_note(Path(load)))
+
+
+def open_load(load: str) -> Checkpoint:
+    """The checkpoint `checkpoint.load` names, resolved and opened once for the whole start
+    (its record read and checked); the run reads everything it needs from this object."""
+    check_load_exists(load)
     try:
         ckpt = Checkpoint(resolve_checkpoint(load))
         ckpt.meta  # noqa: B018 (a record that cannot be read is refused here, first)

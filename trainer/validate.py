@@ -92,13 +92,26 @@ def _shown(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def check_eval_source(cfg: DictConfig) -> None:
+    """`trainer.eval`'s checkpoint: named, and there (its entry point checks it before Hydra
+    makes the run directory and before megatron's imports)."""
+    from trainer.init_from import check_load_exists
+
+    _require_load(cfg)
+    check_load_exists(cfg.checkpoint.load)
+
+
+def _require_load(cfg: DictConfig) -> None:
+    if not cfg.checkpoint.load:
+        raise UserError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
+
+
 def validate_eval(cfg: DictConfig) -> None:
     """What `trainer.eval` can check before it reads the checkpoint's model."""
     check_attention_selection(command_line_overrides())
     _check_eval_counts(cfg.eval)
     _check_max_documents(cfg.data)
-    if not cfg.checkpoint.load:
-        raise UserError("trainer.eval needs checkpoint.load=<checkpoints root or iter_* dir>")
+    _require_load(cfg)  # its existence after the settings: open_load
     p = cfg.parallel
     if p.cp != 1 or p.pp != 1 or (p.vpp or 1) != 1:
         raise UserError(f"trainer.eval runs the model on tensor-parallel ranks alone: "
@@ -310,7 +323,7 @@ def _check_max_documents(d: DictConfig) -> None:
 def _check_eval_counts(e: DictConfig) -> None:
     """`trainer.eval`'s own counts and depths, before the checkpoint is read or the model runs
     (a negative count reported an empty result, a bad depth failed after the model ran)."""
-    from trainer.evals.retrieval import NAMES
+    from trainer.evals.passkey import NAMES
 
     _at_least(e, "batch_size", 1, prefix="eval")
     _at_least(e, "passkey_trials", 1, "(trials per length and depth)", prefix="eval")

@@ -41,7 +41,9 @@ def test_a_training_runs_directory_is_refused(tmp_path: Path) -> None:
 def test_eval_into_a_training_runs_directory_keeps_its_config(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     files = _training_run(run_dir)
-    proc = run_module("trainer.eval", ["checkpoint.load=nowhere", "logger=none",
+    # a path that exists (the entry point refuses a missing one first), never read: the
+    # directory is refused before the checkpoint is opened
+    proc = run_module("trainer.eval", [f"checkpoint.load={tmp_path}", "logger=none",
                                        f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]

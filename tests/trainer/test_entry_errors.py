@@ -8,6 +8,7 @@ preloaded server (tests/conftest.py's `run_module`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -63,6 +64,38 @@ def test_eval_and_build_data_user_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("")
     proc = _run("trainer.build_data", ["empty.txt", "--output-prefix", "ds"], tmp_path)
     _assert_one_error_line(proc, "no documents")
+
+
+# Runs an entry point as `python -m MODULE ARGS` would, then prints its exit status and whether
+# megatron was imported on the way
+_IMPORT_PROBE = """
+import json, runpy, sys
+module, sys.argv = sys.argv[1], sys.argv[1:]
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as stop:
+    code = stop.code
+print(json.dumps({"code": code, "megatron": any(m.split(".")[0] == "megatron"
+                                                for m in sys.modules)}))
+"""
+
+
+@pytest.mark.slow  # new interpreters
+@pytest.mark.parametrize("module", ["trainer", "trainer.eval"])
+def test_a_missing_checkpoint_is_refused_before_megatron_loads(tmp_path: Path,
+                                                               module: str) -> None:
+    """`checkpoint.load` naming nothing: one line, exit 2, before megatron's imports (seconds
+    on a few cores) and before a run directory is made."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "LONGCTX_DEBUG")}
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, module, "logger=none",
+                           "checkpoint.load=nope"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    result = json.loads(proc.stdout.splitlines()[-1])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert result == {"code": 2, "megatron": False}, proc.stderr[-3000:]
+    assert len(errors) == 1 and "checkpoint.load=nope: no such file" in errors[0], proc.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_bug_keeps_its_traceback() -> None:

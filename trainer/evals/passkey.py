@@ -22,6 +22,12 @@ import numpy as np
 
 from trainer.errors import UserError
 
+# The multi-key task's key names (trainer/evals/retrieval.py); here, apart from the decoding
+# that retrieval imports (megatron), so that trainer.eval's settings check needs no megatron
+NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
+         "juniper", "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz",
+         "raven", "saffron", "tundra", "umber", "violet", "willow", "yarrow", "zephyr")
+
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is"

@@ -24,12 +24,8 @@ import torch
 
 from trainer.errors import UserError
 from trainer.evals.decoding import Greedy
-from trainer.evals.passkey import answer_text, random_key
+from trainer.evals.passkey import NAMES, answer_text, random_key
 from trainer.evals.results import MultiKeyCell
-
-NAMES = ("amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo",
-         "juniper", "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz",
-         "raven", "saffron", "tundra", "umber", "violet", "willow", "yarrow", "zephyr")
 
 
 def needle_text(name: str, value: str) -> str:
