@@ -6,6 +6,7 @@ test_hf_remote_code_attention.py."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import warnings
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaModel, StaticCache
 
 from ckpt.hf_export import export_hf
 from ckpt.hf_import import import_hf
@@ -129,6 +130,11 @@ def test_generate_with_the_cache_is_greedy_recomputation(exported, name: str,
 # a prompt in one call, single tokens across an edge (12, 16), new tokens in calls of several
 # (starting inside a chunk, against the cache), single tokens again: 64 tokens in all
 PIECES = [11, 1, 1, 1, 1, 18, 1, 1, 1, 1, 25, 1, 1]
+# the model's keyword for a cache: `cache` in recent transformers releases (5.24),
+# `past_key_values` in earlier ones (5.17); the other one would reach the layers but not the
+# model's positions
+CACHE_KEYWORD = next(name for name in ("cache", "past_key_values")
+                     if name in inspect.signature(LlamaModel.forward).parameters)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -141,7 +147,8 @@ def test_a_cache_filled_in_pieces_gives_the_logits_of_one_forward(exported, name
     logits, start = [], 0
     with torch.no_grad():
         for n in PIECES:
-            logits.append(model(TOKENS[:, start:start + n], cache=kv, use_cache=True).logits)
+            logits.append(model(TOKENS[:, start:start + n], use_cache=True,
+                                **{CACHE_KEYWORD: kv}).logits)
             start += n
         whole = model(TOKENS, use_cache=False).logits
     assert start == SEQ
