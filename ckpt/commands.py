@@ -140,7 +140,7 @@ def _add_import_hf(commands: argparse._SubParsersAction) -> None:
 
 
 def _check_export_hf(args: argparse.Namespace) -> None:
-    if args.max_shard_bytes >= 1:  # else export_hf's refusal of it comes first, as it always has
+    if args.max_shard_bytes >= 1:  # else export_hf refuses the shard size first
         resolve_checkpoint(args.src)
 
 
