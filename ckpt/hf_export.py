@@ -38,11 +38,10 @@ from safetensors.torch import save_file
 
 from ckpt import remote_code
 from ckpt.destination import staged
-from ckpt.disk import file_size_limit
+from ckpt.disk import file_size_limit, human_bytes
 from ckpt.hf_config import HFError, hf_config, model_max_positions, source_config
 from ckpt.hf_import import INDEX
 from ckpt.hf_weights import Shape, hf_tensors
-from ckpt.inspect import human_bytes
 from ckpt.layout import is_optimizer_key
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import MODEL_WEIGHT, Checkpoint

@@ -11,7 +11,8 @@ import torch
 from tqdm import tqdm
 
 from ckpt.checksums import checksum_problems, has_manifest, missing_manifest_warning
-from ckpt.inspect import format_table, human_bytes
+from ckpt.disk import human_bytes
+from ckpt.inspect import format_table
 from ckpt.paths import resolve_checkpoint
 from ckpt.reader import Checkpoint, CheckpointError
 

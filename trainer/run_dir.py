@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
 from ckpt import disk, lock
-from ckpt.inspect import human_bytes
+from ckpt.disk import human_bytes
 from ckpt.paths import TRACKER, checkpoint_name, resolve_checkpoint
 from trainer.errors import UserError
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ckpt.__main__ import main
-from ckpt.zarr_export import MANIFEST
+from ckpt.zarr_manifest import MANIFEST
 
 KEY = "decoder.layers.self_attention.linear_qkv.weight"  # split along TP
 
